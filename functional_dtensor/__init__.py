@@ -1,0 +1,54 @@
+"""functional_dtensor: JAX-style functional sharding for PyTorch.
+
+Layouts are immutable values; distributed programs are per-device functions wrapped by pure
+transformations; every collective is an explicit functional op on a :class:`DeviceMesh`. The
+same program runs on the simulated backend (every device in one process) and on
+``torch.distributed``.
+"""
+
+from ._dtensor import DTensor, distribute_tensor, from_local
+from ._errors import (
+    AxisNameError,
+    CommunicationError,
+    FunctionalDTensorError,
+    InputTypeError,
+    LayoutError,
+    MeshError,
+    ShapeError,
+    SpecError,
+)
+from ._factories import empty, full, ones, rand, randn, zeros
+from ._layout import Layout
+from ._mesh import DeviceMesh, simulated_mesh
+from ._placements import Partial, Placement, Replicate, Shard
+from ._spec import P
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisNameError",
+    "CommunicationError",
+    "DTensor",
+    "DeviceMesh",
+    "FunctionalDTensorError",
+    "InputTypeError",
+    "Layout",
+    "LayoutError",
+    "MeshError",
+    "P",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "ShapeError",
+    "SpecError",
+    "distribute_tensor",
+    "empty",
+    "from_local",
+    "full",
+    "ones",
+    "rand",
+    "randn",
+    "simulated_mesh",
+    "zeros",
+]

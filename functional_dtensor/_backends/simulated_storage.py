@@ -1,0 +1,193 @@
+"""How the simulated backend stores a global value: one stacked tensor for all devices.
+
+A value laid out by ``layout`` on a simulated mesh of ``n`` devices is a tensor of shape
+``(n, *padded_shape)``: row ``k`` is device ``k``'s shard (flat, row-major mesh order), padded
+with zeros at the end of each dim up to the largest shard. True shard sizes come from the
+layout and the global shape (:func:`shard_table`), so one tensor op serves every device and the
+Python work per op does not grow with the mesh.
+
+Evenly split values are built from views (reshape, permute, expand), so a replicated value costs
+no copy; unevenly split ones by one gather through cached index tables.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .._layout import Layout
+from .._placements import Partial, Shard
+from .._sharding import shard_table
+
+__all__ = ["stack", "unstack", "shard", "from_shards", "reduce_partial"]
+
+
+def stack(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Every device's shard of the global ``tensor``, stacked: ``(n, *padded_shape)``."""
+    table = shard_table(layout, tuple(tensor.shape))
+    mesh = layout.mesh
+    if table.is_even:
+        blocks = _split_even(tensor, layout, table.padded_shape)
+    else:
+        blocks = _gather_uneven(tensor, layout).reshape(*mesh.shape, *table.padded_shape)
+    blocks = _partition_partial(blocks, layout)
+    return blocks.reshape(mesh.size, *table.padded_shape)
+
+
+def unstack(stacked: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The global tensor: Partial axes reduced, replicas read from coordinate 0."""
+    table = shard_table(layout, global_shape)
+    mesh = layout.mesh
+    blocks = stacked.reshape(*mesh.shape, *table.padded_shape)
+    blocks = reduce_partial(blocks, layout)
+    for axis, placement in enumerate(layout.placements):
+        if not isinstance(placement, Shard):
+            blocks = blocks.narrow(axis, 0, 1)
+    if table.is_even:
+        return _merge_even(blocks, layout, table.padded_shape, global_shape)
+    return _scatter_uneven(blocks, layout, global_shape)
+
+
+def shard(stacked: torch.Tensor, layout: Layout, global_shape: tuple[int, ...], device: int) -> torch.Tensor:
+    """Device ``device``'s shard, without padding."""
+    local_shape = shard_table(layout, global_shape).local_shapes[device]
+    return stacked[device][tuple(slice(0, s) for s in local_shape)]
+
+
+def from_shards(shards, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """Stack per-device shards (already checked against the layout), padding short ones."""
+    padded = shard_table(layout, global_shape).padded_shape
+    rows = []
+    for local in shards:
+        pad = []
+        for size, target in zip(reversed(local.shape), reversed(padded)):
+            pad += [0, target - size]
+        rows.append(torch.nn.functional.pad(local, pad) if any(pad) else local)
+    return torch.stack(rows)
+
+
+def reduce_partial(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Reduce the Partial mesh axes of ``(*mesh.shape, ...)`` blocks (keeping them, size 1)."""
+    for axis, placement in enumerate(layout.placements):
+        if isinstance(placement, Partial):
+            if placement.op == "sum":
+                blocks = blocks.sum(axis, keepdim=True)
+            elif placement.op == "avg":
+                total = blocks.sum(axis, keepdim=True)
+                size = layout.mesh.shape[axis]
+                floating = blocks.is_floating_point() or blocks.is_complex()
+                blocks = total / size if floating else total.div(size, rounding_mode="floor")
+            elif placement.op == "max":
+                blocks = blocks.amax(axis, keepdim=True)
+            else:
+                blocks = blocks.amin(axis, keepdim=True)
+    return blocks
+
+
+def _partition_partial(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Split replicated blocks into partial values that reduce back to them (as DTensor: a sum
+    is divided evenly for floating dtypes, held by coordinate 0 for integer dtypes)."""
+    for axis, placement in enumerate(layout.placements):
+        if isinstance(placement, Partial) and placement.op == "sum":
+            size = layout.mesh.shape[axis]
+            if blocks.is_floating_point() or blocks.is_complex():
+                blocks = blocks / size
+            else:
+                mask = torch.zeros(size, dtype=blocks.dtype, device=blocks.device)
+                mask[0] = 1
+                blocks = blocks * mask.view(-1, *[1] * (blocks.dim() - axis - 1))
+    return blocks
+
+
+def _split_even(tensor: torch.Tensor, layout: Layout, local_shape) -> torch.Tensor:
+    """``(*mesh.shape, *local_shape)`` views of an evenly split tensor."""
+    mesh = layout.mesh
+    view, axis_at = [], {}
+    for dim, size in enumerate(tensor.shape):
+        for axis in layout.sharding_axes(dim):
+            axis_at[axis] = len(view)
+            view.append(mesh.shape[axis])
+        view.append(local_shape[dim])
+    local_at = [i for i in range(len(view)) if i not in axis_at.values()]
+    blocks = tensor.reshape(view).permute(*[axis_at[a] for a in sorted(axis_at)], *local_at)
+    sizes = [mesh.shape[a] if a in axis_at else 1 for a in range(mesh.ndim)]
+    return blocks.reshape(*sizes, *local_shape).expand(*mesh.shape, *local_shape)
+
+
+def _merge_even(blocks, layout, local_shape, global_shape) -> torch.Tensor:
+    """Inverse of :func:`_split_even` on blocks whose non-Shard axes have size 1."""
+    sharding = [a for a, p in enumerate(layout.placements) if isinstance(p, Shard)]
+    blocks = blocks.reshape(*[layout.mesh.shape[a] for a in sharding], *local_shape)
+    order = []
+    for dim in range(len(global_shape)):
+        order += [sharding.index(a) for a in layout.sharding_axes(dim)]
+        order.append(len(sharding) + dim)
+    return blocks.permute(*order).reshape(global_shape)
+
+
+@lru_cache(maxsize=256)
+def _index_tables(layout: Layout, global_shape: tuple[int, ...], devices: tuple[int, ...], device: str):
+    """Per-dim gather indices ``(len(devices), padded)`` into the global tensor padded by one
+    slot per dim (the slot at index ``size`` stands for padding)."""
+    table = shard_table(layout, global_shape)
+    tables = []
+    for dim, size in enumerate(global_shape):
+        rows = []
+        for k in devices:
+            length, start = table.local_shapes[k][dim], table.offsets[k][dim]
+            rows.append([start + j if j < length else size for j in range(table.padded_shape[dim])])
+        index = torch.tensor(rows, dtype=torch.long, device=device).reshape(len(devices), -1)
+        shape = [len(devices)] + [1] * len(global_shape)
+        shape[dim + 1] = table.padded_shape[dim]
+        tables.append(index.view(shape))
+    return tuple(tables)
+
+
+def _gather_uneven(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    devices = tuple(range(layout.mesh.size))
+    index = _index_tables(layout, tuple(tensor.shape), devices, str(tensor.device))
+    padded = torch.nn.functional.pad(tensor, [0, 1] * tensor.dim())
+    return padded[index]
+
+
+def _scatter_uneven(blocks: torch.Tensor, layout: Layout, global_shape) -> torch.Tensor:
+    """Write blocks whose non-Shard axes have size 1 back into a global tensor."""
+    mesh = layout.mesh
+    sharding = [a for a, p in enumerate(layout.placements) if isinstance(p, Shard)]
+    devices = tuple(
+        d for d in range(mesh.size) if all(c == 0 for a, c in enumerate(mesh.coordinate(d)) if a not in sharding)
+    )
+    index = _index_tables(layout, global_shape, devices, str(blocks.device))
+    values = blocks.reshape(len(devices), *blocks.shape[mesh.ndim :])
+    out = values.new_zeros([s + 1 for s in global_shape]).index_put(index, values)
+    return out[tuple(slice(0, s) for s in global_shape)]
+
+
+
+def materialize(layout: Layout, global_shape: tuple[int, ...], make) -> torch.Tensor:
+    """Stacked shards drawn by ``make(shape)`` once per distinct shard (replicas share theirs),
+    with padding zeroed and Partial axes partitioned as :func:`stack` does."""
+    mesh = layout.mesh
+    table = shard_table(layout, global_shape)
+    sizes = [mesh.shape[a] if isinstance(p, Shard) else 1 for a, p in enumerate(layout.placements)]
+    blocks = make((*sizes, *table.padded_shape)).expand(*mesh.shape, *table.padded_shape)
+    blocks = _partition_partial(blocks, layout).reshape(mesh.size, *table.padded_shape)
+    if not table.is_even:
+        blocks = blocks * _valid_mask(layout, global_shape, str(blocks.device))
+    return blocks
+
+
+@lru_cache(maxsize=256)
+def _valid_mask(layout: Layout, global_shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """``(n, *padded_shape)``: True where a device's padded shard holds real data."""
+    table = shard_table(layout, global_shape)
+    n, ndim = layout.mesh.size, len(global_shape)
+    sizes = torch.tensor(table.local_shapes, dtype=torch.long, device=device).reshape(n, ndim)
+    mask = torch.ones((n, *table.padded_shape), dtype=torch.bool, device=device)
+    for dim, padded in enumerate(table.padded_shape):
+        shape = [1] * (ndim + 1)
+        shape[dim + 1] = padded
+        positions = torch.arange(padded, device=device).view(shape)
+        mask = mask & (positions < sizes[:, dim].view(n, *[1] * ndim))
+    return mask

@@ -1,0 +1,60 @@
+"""The library's exceptions: one base class, subclasses that are also the fitting builtin.
+
+Every message names the API and the argument (with its pytree path where there is one), says
+what was expected and what was got, and ends with the fix. Messages are built with
+:func:`explain`, so that they all read the same way.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FunctionalDTensorError",
+    "LayoutError",
+    "MeshError",
+    "SpecError",
+    "ShapeError",
+    "InputTypeError",
+    "AxisNameError",
+    "CommunicationError",
+    "explain",
+]
+
+
+class FunctionalDTensorError(Exception):
+    """Base class of every error raised by functional_dtensor."""
+
+
+class LayoutError(FunctionalDTensorError, ValueError):
+    """A placement, a partition spec or a layout is invalid, or does not fit a tensor."""
+
+
+class MeshError(FunctionalDTensorError, ValueError):
+    """A device mesh is malformed, or a value lives on another mesh or backend."""
+
+
+class SpecError(FunctionalDTensorError, ValueError):
+    """``shard_map`` specs do not fit the arguments or outputs they describe."""
+
+
+class ShapeError(FunctionalDTensorError, ValueError):
+    """A local or global shape does not agree with a layout."""
+
+
+class InputTypeError(FunctionalDTensorError, TypeError):
+    """An argument has the wrong type (a list where a tensor was expected, say)."""
+
+
+class AxisNameError(FunctionalDTensorError, NameError):
+    """A collective names a mesh axis that no enclosing ``shard_map`` binds."""
+
+
+class CommunicationError(FunctionalDTensorError, RuntimeError):
+    """A collective failed or timed out on the distributed backend (a dead or stuck rank)."""
+
+
+def explain(where: str, what: str, *, expected: str, got: str, fix: str) -> str:
+    """Build an error message: ``where: what: expected ..., got .... Fix: ...``.
+
+    ``where`` names the API and argument (``"fd.distribute_tensor(placements[1])"``).
+    """
+    return f"{where}: {what}: expected {expected}, got {got}. Fix: {fix}"

@@ -1,0 +1,97 @@
+"""Sharding math: which block of a global tensor each device holds.
+
+Blocks follow ``torch.chunk`` (as DTensor): a dim of size ``s`` split over ``n`` devices gives
+ceil-sized chunks ``c = ceil(s / n)``; device ``i`` holds ``[i*c, min((i+1)*c, s))``, so trailing
+devices may be short or empty (5 over 4 -> 2, 2, 1, 0; 6 over 4 -> 2, 2, 2, 0). When several
+mesh axes split one dim, they apply left to right in mesh order, each splitting the block the
+previous ones left.
+
+``shard_table`` answers for every device at once and is cached by value, so callers pay the
+per-device loop once per (layout, shape), never per op.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import NamedTuple
+
+from ._errors import ShapeError, explain
+from ._layout import Layout
+from ._placements import Shard
+
+__all__ = ["chunk", "ShardTable", "shard_table", "global_shape_of_even_local"]
+
+
+def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """The length and start of block ``index`` when ``size`` is split into ``parts`` chunks.
+
+    >>> [chunk(5, 4, i) for i in range(4)]
+    [(2, 0), (2, 2), (1, 4), (0, 5)]
+    """
+    step = -(-size // parts)
+    start = min(step * index, size)
+    return max(0, min(size, start + step) - start), start
+
+
+class ShardTable(NamedTuple):
+    """The shards of every device, in flat (row-major) mesh order."""
+
+    local_shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[tuple[int, ...], ...]
+    padded_shape: tuple[int, ...]
+    is_even: bool
+
+    def __str__(self) -> str:
+        rows = (f"{i}: {s} @ {o}" for i, (s, o) in enumerate(zip(self.local_shapes, self.offsets)))
+        return "\n".join(rows)
+
+
+@lru_cache(maxsize=4096)
+def shard_table(layout: Layout, global_shape: tuple[int, ...]) -> ShardTable:
+    """Local shapes and global offsets of every device's shard (offset of an empty shard:
+    the dim's size, as torch's ``compute_local_shape_and_global_offset``)."""
+    mesh = layout.mesh
+    shapes, offsets = [], []
+    for device in range(mesh.size):
+        coordinate = mesh.coordinate(device)
+        shape, offset = list(global_shape), [0] * len(global_shape)
+        for axis, placement in enumerate(layout.placements):
+            if isinstance(placement, Shard):
+                d = placement.dim
+                length, start = chunk(shape[d], mesh.shape[axis], coordinate[axis])
+                shape[d] = length
+                offset[d] = global_shape[d] if length == 0 else offset[d] + start
+        shapes.append(tuple(shape))
+        offsets.append(tuple(offset))
+    padded = tuple(max(s[d] for s in shapes) for d in range(len(global_shape)))
+    is_even = all(s == padded for s in shapes)
+    return ShardTable(tuple(shapes), tuple(offsets), padded, is_even)
+
+
+def global_shape_of_even_local(layout: Layout, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The global shape whose even split gives ``local_shape`` on every device."""
+    shape = list(local_shape)
+    for axis, placement in enumerate(layout.placements):
+        if isinstance(placement, Shard):
+            shape[placement.dim] *= layout.mesh.shape[axis]
+    return tuple(shape)
+
+
+def check_divisible(layout: Layout, global_shape: tuple[int, ...], *, where: str) -> None:
+    """Raise unless every sharded dim splits evenly (``shard_map``'s requirement)."""
+    for dim, size in enumerate(global_shape):
+        axes = layout.sharding_axes(dim)
+        parts = math.prod(layout.mesh.shape[a] for a in axes)
+        if size % parts:
+            names = tuple(layout.mesh.axis_names[a] for a in axes)
+            multiple = -(-size // parts) * parts
+            raise ShapeError(
+                explain(
+                    where,
+                    f"dim {dim} of size {size} does not split evenly over mesh axes {names}",
+                    expected=f"a multiple of {parts}",
+                    got=f"{size} = {size // parts} * {parts} + {size % parts}",
+                    fix=f"pad dim {dim} to {multiple}, or fd.redistribute the value first",
+                )
+            )
