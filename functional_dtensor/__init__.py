@@ -6,6 +6,19 @@ same program runs on the simulated backend (every device in one process) and on
 ``torch.distributed``.
 """
 
+from ._collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+    pvary,
+)
 from ._dtensor import DTensor, distribute_tensor, from_local
 from ._errors import (
     AxisNameError,
@@ -19,13 +32,28 @@ from ._errors import (
 )
 from ._factories import empty, full, ones, rand, randn, zeros
 from ._layout import Layout
+from ._backends.distributed import init_device_mesh
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
+from ._shard_map import shard_map
 from ._spec import P
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "init_device_mesh",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "pvary",
+    "shard_map",
     "AxisNameError",
     "CommunicationError",
     "DTensor",

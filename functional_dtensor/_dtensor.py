@@ -121,11 +121,7 @@ class DTensor:
 
     def full_tensor(self) -> torch.Tensor:
         """The global value on every device (Partial axes reduced). Differentiable."""
-        if self.device_mesh.backend == "simulated":
-            return simulated.unstack(self._storage, self._layout, tuple(self._shape))
-        from ._backends import distributed_storage
-
-        return distributed_storage.full_tensor(self._storage, self._layout, tuple(self._shape))
+        return _FullTensor.apply(self._storage, self._layout, tuple(self._shape))
 
     def __repr__(self) -> str:
         return (
@@ -135,6 +131,62 @@ class DTensor:
 
     def __len__(self) -> int:
         return self._shape[0]
+
+
+def _storage_of(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    if layout.mesh.backend == "simulated":
+        return simulated.stack(tensor, layout)
+    from ._backends import distributed_storage
+
+    return distributed_storage.local_shard(tensor, layout)
+
+
+def _global_of(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+    if layout.mesh.backend == "simulated":
+        return simulated.unstack(storage, layout, shape)
+    from ._backends import distributed_storage
+
+    return distributed_storage.full_tensor(storage, layout, shape)
+
+
+def _without_partial(layout: Layout) -> Layout:
+    return Layout(layout.mesh, tuple(Replicate() if p.is_partial() else p for p in layout.placements))
+
+
+class _Distribute(torch.autograd.Function):
+    """Global tensor -> storage. The gradient of a global value is global: its cotangent is the
+    same on every replica (and every Partial part), so the backward reassembles the global
+    cotangent from one replica of each shard (DTensor: a Partial source gets a Replicate
+    gradient)."""
+
+    @staticmethod
+    def forward(tensor, layout):
+        return _storage_of(tensor, layout)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layout, ctx.shape = inputs[1], tuple(inputs[0].shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _FullTensor.apply(g, _without_partial(ctx.layout), ctx.shape), None
+
+
+class _FullTensor(torch.autograd.Function):
+    """Storage -> global tensor. Backward: every device gets its block of the (replicated)
+    global cotangent, with no communication."""
+
+    @staticmethod
+    def forward(storage, layout, shape):
+        return _global_of(storage, layout, shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layout = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _Distribute.apply(g, _without_partial(ctx.layout)), None, None
 
 
 def _device_index(mesh: DeviceMesh, device, where: str) -> int:
@@ -211,13 +263,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         )
     tensor = _check_tensor(tensor, f"{api}(tensor)")
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
-    mesh = layout.mesh
-    if mesh.backend == "simulated":
-        storage = simulated.stack(tensor.to(mesh.device_type), layout)
-    else:
-        from ._backends import distributed_storage
-
-        storage = distributed_storage.local_shard(tensor.to(mesh.device_type), layout)
+    storage = _Distribute.apply(tensor.to(layout.mesh.device_type), layout)
     return DTensor(storage, layout, tensor.shape)
 
 

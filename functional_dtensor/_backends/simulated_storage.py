@@ -20,7 +20,7 @@ from .._layout import Layout
 from .._placements import Partial, Shard
 from .._sharding import shard_table
 
-__all__ = ["stack", "unstack", "shard", "from_shards", "reduce_partial"]
+__all__ = ["stack", "unstack", "assemble", "shard", "from_shards", "reduce_partial", "materialize"]
 
 
 def stack(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -44,6 +44,13 @@ def unstack(stacked: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]
     for axis, placement in enumerate(layout.placements):
         if not isinstance(placement, Shard):
             blocks = blocks.narrow(axis, 0, 1)
+    return assemble(blocks, layout, global_shape)
+
+
+def assemble(blocks: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The global tensor from ``(*mesh.shape, *padded_shape)`` blocks whose non-Shard mesh axes
+    have size 1 (one device per distinct shard)."""
+    table = shard_table(layout, global_shape)
     if table.is_even:
         return _merge_even(blocks, layout, table.padded_shape, global_shape)
     return _scatter_uneven(blocks, layout, global_shape)
@@ -110,7 +117,7 @@ def _split_even(tensor: torch.Tensor, layout: Layout, local_shape) -> torch.Tens
             view.append(mesh.shape[axis])
         view.append(local_shape[dim])
     local_at = [i for i in range(len(view)) if i not in axis_at.values()]
-    blocks = tensor.reshape(view).permute(*[axis_at[a] for a in sorted(axis_at)], *local_at)
+    blocks = tensor.reshape(view).permute((*[axis_at[a] for a in sorted(axis_at)], *local_at))
     sizes = [mesh.shape[a] if a in axis_at else 1 for a in range(mesh.ndim)]
     return blocks.reshape(*sizes, *local_shape).expand(*mesh.shape, *local_shape)
 
@@ -118,12 +125,12 @@ def _split_even(tensor: torch.Tensor, layout: Layout, local_shape) -> torch.Tens
 def _merge_even(blocks, layout, local_shape, global_shape) -> torch.Tensor:
     """Inverse of :func:`_split_even` on blocks whose non-Shard axes have size 1."""
     sharding = [a for a, p in enumerate(layout.placements) if isinstance(p, Shard)]
-    blocks = blocks.reshape(*[layout.mesh.shape[a] for a in sharding], *local_shape)
+    blocks = blocks.reshape((*[layout.mesh.shape[a] for a in sharding], *local_shape))
     order = []
     for dim in range(len(global_shape)):
         order += [sharding.index(a) for a in layout.sharding_axes(dim)]
         order.append(len(sharding) + dim)
-    return blocks.permute(*order).reshape(global_shape)
+    return blocks.permute(tuple(order)).reshape(global_shape)
 
 
 @lru_cache(maxsize=256)

@@ -1,0 +1,114 @@
+"""Runtime state of the distributed backend: the process group and one group per mesh axis.
+
+A :class:`DeviceMesh` is pure data; this module looks up, by mesh, the ``torch.distributed``
+process groups it runs on. Groups are built once (per-axis groups when the mesh is made,
+flattened groups for a tuple of axes on first use, by every rank alike) and reused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._errors import MeshError, explain
+from .._mesh import DeviceMesh
+
+__all__ = ["init_device_mesh", "group", "group_index", "coordinate", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("FD_COLLECTIVE_TIMEOUT", 300)))
+
+_torch_meshes: dict[DeviceMesh, object] = {}
+_groups: dict[tuple[DeviceMesh, tuple[str, ...]], dist.ProcessGroup] = {}
+
+
+def init_device_mesh(
+    device_type: str,
+    shape: int | Sequence[int],
+    axis_names: str | Sequence[str],
+    *,
+    timeout: datetime.timedelta | None = None,
+) -> DeviceMesh:
+    """A mesh over the ranks of ``torch.distributed`` (one device per rank), creating the process
+    group from the ``torchrun`` environment when there is none yet: gloo on CPU, NCCL on CUDA.
+    ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    if not dist.is_initialized():
+        backend = "nccl" if device_type.startswith("cuda") else "gloo"
+        if device_type.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise MeshError(
+            explain(
+                "fd.init_device_mesh(shape)",
+                "the mesh must cover every rank",
+                expected=f"sizes whose product is the world size {world}",
+                got=f"{shape} ({math.prod(shape)} devices)",
+                fix=f"launch {math.prod(shape)} ranks with torchrun, or pick a shape for {world}",
+            )
+        )
+    mesh = DeviceMesh(shape, names, device_type, "distributed")
+    torch_mesh(mesh)
+    return mesh
+
+
+def torch_mesh(mesh: DeviceMesh):
+    """The ``torch.distributed.DeviceMesh`` with the same ranks and axis names."""
+    found = _torch_meshes.get(mesh)
+    if found is None:
+        _check_initialized(mesh)
+        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+        ids = torch.tensor(mesh.device_ids, dtype=torch.int).reshape(mesh.shape)
+        found = _torch_meshes[mesh] = TorchMesh(
+            mesh.device_type.split(":")[0], ids, mesh_dim_names=mesh.axis_names
+        )
+    return found
+
+
+def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
+    """The process group over ``axes`` (ranks in mesh order) that holds this rank."""
+    key = (mesh, tuple(sorted(axes, key=mesh.axis_position)))
+    found = _groups.get(key)
+    if found is None:
+        tm = torch_mesh(mesh)
+        names = key[1]
+        found = tm.get_group(names[0]) if len(names) == 1 else tm[names]._flatten().get_group()
+        _groups[key] = found
+    return found
+
+
+def coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's coordinate in ``mesh``."""
+    _check_initialized(mesh)
+    return mesh.coordinate(mesh.device_ids.index(dist.get_rank()))
+
+
+def group_index(mesh: DeviceMesh, axes: tuple[str, ...]) -> int:
+    """This rank's index along ``axes`` (major axis first, in the order given)."""
+    here = coordinate(mesh)
+    index = 0
+    for axis in axes:
+        position = mesh.axis_position(axis)
+        index = index * mesh.shape[position] + here[position]
+    return index
+
+
+def _check_initialized(mesh: DeviceMesh) -> None:
+    if mesh.backend != "distributed" or not dist.is_initialized():
+        raise MeshError(
+            explain(
+                "fd distributed backend",
+                "the mesh is not backed by an initialized torch.distributed process group",
+                expected="a mesh from fd.init_device_mesh under torchrun",
+                got=repr(mesh),
+                fix="build the mesh with fd.init_device_mesh(...) in every rank",
+            )
+        )

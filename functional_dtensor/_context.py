@@ -1,0 +1,84 @@
+"""The axis environment: which mesh axes the running per-device code is mapped over.
+
+``shard_map`` pushes a frame while the per-device function runs; collectives look their axis
+names up here. A frame records the mesh, whether replication is checked, and on the simulated
+backend the functorch vmap level that carries the device dimension.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ._errors import AxisNameError, explain
+from ._mesh import DeviceMesh
+
+__all__ = ["Frame", "bound_axes", "current_frame", "frame_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One ``shard_map`` in progress."""
+
+    mesh: DeviceMesh
+    check_rep: bool
+    device_level: int | None  # the vmap level of the device dim (simulated backend)
+
+    @property
+    def simulated(self) -> bool:
+        return self.mesh.backend == "simulated"
+
+
+_local = threading.local()
+
+
+def _stack() -> list[Frame]:
+    frames = getattr(_local, "frames", None)
+    if frames is None:
+        frames = _local.frames = []
+    return frames
+
+
+@contextmanager
+def bound_axes(frame: Frame):
+    """Bind the axes of ``frame.mesh`` while the body runs."""
+    frames = _stack()
+    frames.append(frame)
+    try:
+        yield frame
+    finally:
+        frames.pop()
+
+
+def current_frame() -> Frame | None:
+    frames = _stack()
+    return frames[-1] if frames else None
+
+
+def frame_for(axis_name, where: str) -> tuple[Frame, tuple[str, ...]]:
+    """The frame that binds ``axis_name`` (a name or a tuple of names) and the names."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    frame = current_frame()
+    if frame is None:
+        raise AxisNameError(
+            explain(
+                f"{where}(axis_name)",
+                f"no shard_map binds mesh axis {axis_name!r}",
+                expected="a call inside a function wrapped by fd.shard_map",
+                got="a call outside any shard_map",
+                fix="call collectives from the per-device function given to fd.shard_map",
+            )
+        )
+    unknown = [n for n in names if n not in frame.mesh.axis_names]
+    if unknown or not names or len(set(names)) != len(names):
+        raise AxisNameError(
+            explain(
+                f"{where}(axis_name)",
+                "the axis names must be distinct axes of the enclosing shard_map's mesh",
+                expected=f"names from {frame.mesh.axis_names}",
+                got=repr(axis_name),
+                fix="use the mesh's axis names, each at most once",
+            )
+        )
+    return frame, names

@@ -1,0 +1,337 @@
+"""``shard_map``: run a per-device function on the local blocks of global values (JAX semantics).
+
+Specs are pytree prefixes of the arguments and outputs with :class:`P` leaves; ``None`` passes an
+argument through untouched. On the simulated backend the function runs once for all devices,
+under ``torch.func.vmap`` over the stacked device dim; on the distributed backend it runs once
+per rank on the local shard.
+
+Gradients treat global values as global: the cotangent of a replicated value is replicated.
+With ``check_rep`` (the default) local values carry the mesh axes they vary over (see
+:mod:`._tracking`); an output spec that claims replication the function does not guarantee is an
+error, and transposes need no defensive all-reduce. Without it, every local value is taken to
+vary over every axis: inputs' gradients are summed over their replicas, and outputs' cotangents
+are split evenly among theirs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, TypeAlias, overload
+
+import optree
+import torch
+from torch._C._functorch import maybe_current_level
+
+from ._backends import distributed_collectives as on_ranks
+from ._backends import simulated_collectives as stacked_ops
+from ._collectives import pvary
+from ._context import Frame, bound_axes, current_frame
+from ._dtensor import DTensor, _Distribute, _check_mesh
+from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
+from ._layout import Layout
+from ._mesh import DeviceMesh
+from ._placements import Shard
+from ._sharding import check_divisible
+from ._spec import P
+from ._tracking import ReplicationTracker
+from ._varying import axes_varying, tag
+
+__all__ = ["shard_map", "NAMESPACE", "Specs"]
+
+NAMESPACE = "functional_dtensor"
+Specs: TypeAlias = Any  # a pytree of P (or None) leaves, a prefix of the arguments or outputs
+
+
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, P)
+
+
+@overload
+def shard_map(
+    f: None = None, /, *, mesh: DeviceMesh, in_specs: Specs, out_specs: Specs, check_rep: bool = True
+) -> Callable[[Callable], Callable[..., Any]]: ...
+
+
+@overload
+def shard_map(
+    f: Callable, /, *, mesh: DeviceMesh, in_specs: Specs, out_specs: Specs, check_rep: bool = True
+) -> Callable[..., Any]: ...
+
+
+def shard_map(f=None, /, *, mesh, in_specs, out_specs, check_rep=True):
+    """Map ``f`` over the shards of its arguments on ``mesh``.
+
+    ``f`` sees local blocks: an argument of global shape ``(8, 4)`` with spec ``P("x")`` on a
+    mesh with ``x=4`` arrives as ``(2, 4)`` on every device. Its outputs are local blocks too,
+    assembled by ``out_specs`` into :class:`DTensor` results. Sharded dims must split evenly.
+    Usable as a decorator: ``@fd.shard_map(mesh=mesh, in_specs=..., out_specs=...)``.
+
+    >>> import torch, functional_dtensor as fd
+    >>> mesh = fd.simulated_mesh(4, "x")
+    >>> @fd.shard_map(mesh=mesh, in_specs=(fd.P("x"), fd.P()), out_specs=fd.P("x"))
+    ... def scale(x_rows, w):
+    ...     return x_rows * w
+    >>> scale(torch.ones(8, 2), torch.tensor([1.0, 2.0])).full_tensor()[0]
+    tensor([1., 2.])
+    """
+    _check_mesh(mesh, "fd.shard_map(mesh)")
+    for name, specs in (("in_specs", in_specs), ("out_specs", out_specs)):
+        for accessor, leaf in zip(*optree.tree_flatten_with_accessor(specs, _is_spec, none_is_leaf=True)[:2]):
+            if not _is_spec(leaf):
+                raise InputTypeError(
+                    explain(
+                        f"fd.shard_map({accessor.codify(name)})",
+                        "spec leaves are partition specs",
+                        expected="fd.P(...) or None",
+                        got=repr(leaf),
+                        fix="wrap the entries in fd.P(...), e.g. fd.P('x', None)",
+                    )
+                )
+    if f is None:
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_rep)
+
+    @functools.wraps(f)
+    def mapped(*args):
+        return _run(f, args, mesh, in_specs, out_specs, check_rep)
+
+    return mapped
+
+
+def _broadcast(specs, tree, name: str):
+    try:
+        return optree.tree_broadcast_prefix(specs, tree, _is_spec, none_is_leaf=True, namespace=NAMESPACE)
+    except ValueError:
+        errors = optree.prefix_errors(specs, tree, _is_spec, none_is_leaf=True, namespace=NAMESPACE)
+        detail = str(errors[0](name)) if errors else "the structures differ"
+        raise SpecError(
+            explain(
+                f"fd.shard_map({name})",
+                "specs must be a pytree prefix of the values they describe",
+                expected="a matching structure (or a single fd.P for everything below a node)",
+                got=detail,
+                fix="give one spec per argument/output, or one spec for a whole subtree",
+            )
+        ) from None
+
+
+def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
+    if len(spec) > value_ndim:
+        raise SpecError(
+            explain(
+                where,
+                f"the spec has more entries than the value has dims",
+                expected=f"at most {value_ndim} entries",
+                got=f"{spec} ({len(spec)} entries) for a {value_ndim}-d value",
+                fix="drop the extra entries",
+            )
+        )
+    return Layout.from_spec(mesh, spec, where=where)
+
+
+def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
+    if current_frame() is not None:
+        raise FunctionalDTensorError(
+            explain(
+                "fd.shard_map",
+                "nested shard_map is not supported yet",
+                expected="a shard_map called outside any other",
+                got="a call inside the per-device function of another shard_map",
+                fix="map over all the axes you need in the outer shard_map",
+            )
+        )
+    full_specs = _broadcast(in_specs, args, "in_specs")
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(args, none_is_leaf=True, namespace=NAMESPACE)
+    spec_leaves = treedef.flatten_up_to(full_specs)
+    storages, in_axes = [], []
+    for accessor, value, spec in zip(accessors, leaves, spec_leaves):
+        if spec is None:
+            storages.append(value)
+            in_axes.append(None)
+            continue
+        where = f"fd.shard_map(in_specs{accessor.codify('')})"
+        storages.append(_enter(value, spec, mesh, check_rep, where, accessor.codify("args")))
+        in_axes.append(frozenset(spec.axis_names))
+
+    out_layouts: list = []
+    out_treedef: list = []
+
+    def per_device(*local_leaves):
+        level = maybe_current_level() if mesh.backend == "simulated" else None
+        frame = Frame(mesh, check_rep, level)
+        with bound_axes(frame):
+            if check_rep:
+                local_leaves = [
+                    v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes)
+                    for v, axes in zip(local_leaves, in_axes)
+                ]
+            local_args = treedef.unflatten(local_leaves)
+            if check_rep:
+                with ReplicationTracker(mesh.axis_names):
+                    outputs = f(*local_args)
+            else:
+                outputs = f(*local_args)
+            flat, specs, layouts, tree = _leave(outputs, out_specs, mesh, check_rep)
+        out_layouts[:] = list(zip(specs, layouts))
+        out_treedef[:] = [tree]
+        return tuple(flat)
+
+    if mesh.backend == "simulated":
+        in_dims = tuple(None if axes is None else 0 for axes in in_axes)
+        results = torch.func.vmap(per_device, in_dims=in_dims, randomness="different")(*storages)
+    else:
+        results = per_device(*storages)
+    values = []
+    for storage, (spec, layout) in zip(results, out_layouts):
+        if layout is None:
+            values.append(storage)
+            continue
+        local_shape = storage.shape[1:] if mesh.backend == "simulated" else storage.shape
+        shape = list(local_shape)
+        for axis, placement in enumerate(layout.placements):
+            if isinstance(placement, Shard):
+                shape[placement.dim] *= mesh.shape[axis]
+        if not check_rep:
+            replicas = math.prod(s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard))
+            if replicas > 1:
+                storage = _SplitCotangent.apply(storage, replicas)
+        values.append(DTensor(storage, layout, shape))
+    return out_treedef[0].unflatten(values)
+
+
+def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argument: str) -> torch.Tensor:
+    """The storage of one argument: its stacked shards (simulated) or this rank's shard."""
+    if isinstance(value, DTensor):
+        layout = _layout(mesh, spec, value.ndim, where)
+        if value.device_mesh != mesh:
+            raise MeshError(
+                explain(
+                    f"fd.shard_map({argument})",
+                    "the value lives on another mesh",
+                    expected=repr(mesh),
+                    got=repr(value.device_mesh),
+                    fix="distribute it on the shard_map's mesh",
+                )
+            )
+        if value.layout != layout:
+            raise SpecError(
+                explain(
+                    f"fd.shard_map({argument})",
+                    f"the DTensor's layout does not match its spec {spec}",
+                    expected=f"{layout}",
+                    got=f"{value.layout}",
+                    fix=f"call fd.redistribute(x, {spec}) first, or change the spec",
+                )
+            )
+        check_divisible(layout, tuple(value.shape), where=where)
+        storage = value._storage
+    elif isinstance(value, torch.Tensor):
+        layout = _layout(mesh, spec, value.dim(), where)
+        check_divisible(layout, tuple(value.shape), where=where)
+        storage = _Distribute.apply(value.to(mesh.device_type), layout)
+    else:
+        raise InputTypeError(
+            explain(
+                f"fd.shard_map({argument})",
+                f"an argument with spec {spec} must be a tensor",
+                expected="a torch.Tensor or an fd.DTensor",
+                got=type(value).__name__,
+                fix="give it the spec None to pass it through untouched",
+            )
+        )
+    if not check_rep and not all(isinstance(p, Shard) for p in layout.placements):
+        storage = _SumOverReplicas.apply(storage, layout)
+    return storage
+
+
+def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool):
+    full_specs = _broadcast(out_specs, outputs, "out_specs")
+    accessors, leaves, tree = optree.tree_flatten_with_accessor(outputs, none_is_leaf=True, namespace=NAMESPACE)
+    specs = tree.flatten_up_to(full_specs)
+    flat, layouts = [], []
+    for accessor, value, spec in zip(accessors, leaves, specs):
+        path = accessor.codify("out_specs")
+        if spec is None or value is None:
+            if value is not None and spec is None:
+                raise SpecError(
+                    explain(
+                        f"fd.shard_map({path})",
+                        "every output needs a spec",
+                        expected="an fd.P for each output tensor",
+                        got="None",
+                        fix="give the output a spec, e.g. fd.P() if it is replicated",
+                    )
+                )
+            flat.append(value)
+            layouts.append(None)
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise InputTypeError(
+                explain(
+                    f"fd.shard_map({path})",
+                    "the per-device function must return local tensors",
+                    expected="a torch.Tensor",
+                    got=type(value).__name__,
+                    fix="return tensors; compute other values outside shard_map",
+                )
+            )
+        layout = _layout(mesh, spec, value.dim(), f"fd.shard_map({path})")
+        if check_rep:
+            allowed = frozenset(spec.axis_names)
+            extra = axes_varying(value) - allowed
+            if extra:
+                names = tuple(sorted(extra, key=mesh.axis_position))
+                raise SpecError(
+                    explain(
+                        f"fd.shard_map({path})",
+                        f"{spec} claims the output is replicated over {names}, "
+                        "but the function does not guarantee it",
+                        expected=f"an output that does not vary over {names}",
+                        got=f"a value that may vary over {tuple(sorted(axes_varying(value)))}",
+                        fix=f"reduce it (fd.psum(y, {names!r})), name those axes in the spec, "
+                        "or pass check_rep=False",
+                    )
+                )
+            missing = tuple(a for a in spec.axis_names if a not in axes_varying(value))
+            if missing:
+                value = pvary(value, missing)
+        flat.append(value)
+        layouts.append(layout)
+    return flat, specs, layouts, tree
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the cotangent over the replicated mesh axes (used when
+    replication is not tracked, so each replica's cotangent is only its own contribution)."""
+
+    @staticmethod
+    def forward(storage, layout):
+        return storage
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layout = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        layout = ctx.layout
+        mesh = layout.mesh
+        axes = tuple(n for n, p in zip(mesh.axis_names, layout.placements) if not isinstance(p, Shard))
+        ops = stacked_ops if mesh.backend == "simulated" else on_ranks
+        return ops.all_reduce(g, mesh, axes, "sum"), None
+
+
+class _SplitCotangent(torch.autograd.Function):
+    """Identity forward; backward divides the cotangent among ``replicas`` copies."""
+
+    @staticmethod
+    def forward(storage, replicas):
+        return storage
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.replicas = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.replicas, None
