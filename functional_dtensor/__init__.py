@@ -19,6 +19,7 @@ from ._collectives import (
     psum_scatter,
     pvary,
 )
+from ._comm_debug import CommDebugMode
 from ._dtensor import DTensor, distribute_tensor, from_local
 from ._errors import (
     AxisNameError,
@@ -41,6 +42,7 @@ from ._spec import P
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommDebugMode",
     "all_gather",
     "all_to_all",
     "axis_index",

@@ -35,6 +35,7 @@ from torch._C._functorch import (
     maybe_get_level,
 )
 
+from . import _comm_log as comm_log
 from ._backends import distributed_collectives as on_ranks
 from ._backends import simulated_collectives as stacked_ops
 from ._context import Frame, frame_for
@@ -68,6 +69,7 @@ class _Op:
     frame: Frame
     axes: tuple[str, ...]
     saves_input: ClassVar[bool] = False
+    name: ClassVar[str] = ""  # the collective it runs, as counted by CommDebugMode
 
     def run_stacked(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -94,6 +96,9 @@ class _Op:
 class _Collective(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, op: _Op, stacked: bool) -> torch.Tensor:
+        if op.name and not torch.compiler.is_compiling() and comm_log.active():
+            per_device = x.numel() // (x.shape[0] if stacked else 1) * x.element_size()
+            comm_log.record(op.name, op.axes, per_device)
         return op.run_stacked(x) if stacked else op.run_local(x)
 
     @staticmethod
@@ -178,6 +183,7 @@ class Pvary(_Op):
     """Identity forward; its transpose sums the cotangents over the axes (JAX's ``pvary``)."""
 
     needs_varying: ClassVar[bool] = False
+    name: ClassVar[str] = ""  # no communication
 
     def run_stacked(self, x):
         return x
@@ -214,6 +220,7 @@ class AllReduce(_Op):
     op: str = "sum"
     transpose_psum: bool = False  # the transpose of pvary: always a real all-reduce
     needs_varying: ClassVar[bool] = True
+    name: ClassVar[str] = "all_reduce"
 
     @property
     def saves_input(self) -> bool:  # type: ignore[override]
@@ -284,6 +291,7 @@ class AllGather(_Op):
     dim: int = 0
     tiled: bool = False
     needs_varying: ClassVar[bool] = True
+    name: ClassVar[str] = "all_gather"
 
     def run_stacked(self, x):
         return stacked_ops.all_gather(x, self.frame.mesh, self.axes, self.dim, self.tiled)
@@ -345,6 +353,7 @@ class ReduceScatter(_Op):
     dim: int = 0
     tiled: bool = False
     needs_varying: ClassVar[bool] = True
+    name: ClassVar[str] = "reduce_scatter"
 
     def run_stacked(self, x):
         return stacked_ops.reduce_scatter(x, self.frame.mesh, self.axes, self.dim, self.tiled)
@@ -400,6 +409,7 @@ class AllToAll(_Op):
     concat: int = 0
     tiled: bool = False
     needs_varying: ClassVar[bool] = True
+    name: ClassVar[str] = "all_to_all"
 
     def run_stacked(self, x):
         return stacked_ops.all_to_all(x, self.frame.mesh, self.axes, self.split, self.concat, self.tiled)
@@ -454,6 +464,7 @@ class Permute(_Op):
 
     perm: tuple[tuple[int, int], ...] = ()
     needs_varying: ClassVar[bool] = True
+    name: ClassVar[str] = "ppermute"
 
     def run_stacked(self, x):
         return stacked_ops.permute(x, self.frame.mesh, self.axes, self.perm)

@@ -48,6 +48,8 @@ class Shard(Placement):
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             try:
+                if isinstance(self.dim, bool):  # operator.index(True) == 1: not a dim
+                    raise TypeError
                 object.__setattr__(self, "dim", operator.index(self.dim))
             except TypeError:
                 raise InputTypeError(

@@ -23,6 +23,7 @@ import optree
 import torch
 from torch._C._functorch import maybe_current_level
 
+from . import _comm_log as comm_log
 from ._backends import distributed_collectives as on_ranks
 from ._backends import simulated_collectives as stacked_ops
 from ._collectives import pvary
@@ -318,6 +319,8 @@ class _SumOverReplicas(torch.autograd.Function):
         mesh = layout.mesh
         axes = tuple(n for n, p in zip(mesh.axis_names, layout.placements) if not isinstance(p, Shard))
         ops = stacked_ops if mesh.backend == "simulated" else on_ranks
+        if comm_log.active():
+            comm_log.record("all_reduce", axes, g[0].numel() * g.element_size() if mesh.backend == "simulated" else g.numel() * g.element_size())
         return ops.all_reduce(g, mesh, axes, "sum"), None
 
 

@@ -86,6 +86,11 @@ class P:
 
     __str__ = __repr__
 
+    def _repr_pretty_(self, printer, cycle) -> None:
+        # IPython and hypothesis's failure reports print this, not the dataclass field
+        # ``P(entries=...)``, which does not evaluate.
+        printer.text(repr(self))
+
     def __reduce__(self):
         return (P, self.entries)
 

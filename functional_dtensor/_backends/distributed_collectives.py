@@ -57,7 +57,7 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
 def all_gather(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool) -> torch.Tensor:
     group = distributed.group(mesh, axes)
     size = mesh.axis_size(axes)
-    stacked = _wait(funcol.all_gather_tensor(x.contiguous(), 0, group))  # (size * x0, ...)
+    stacked = _wait(funcol.all_gather_single(x.contiguous(), 0, group))  # (size * x0, ...)
     stacked = stacked.reshape(size, *x.shape)
     stacked = _reorder_blocks(stacked, 0, mesh, axes, to_mesh_order=False)
     gathered = stacked.movedim(0, dim)
@@ -74,7 +74,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim
     blocks = x.movedim(dim, 0)  # (size, ...): block i goes to device i (given order)
     blocks = _reorder_blocks(blocks, 0, mesh, axes, to_mesh_order=True)
     flat = blocks.reshape(size * blocks.shape[1] if blocks.dim() > 1 else size, *blocks.shape[2:])
-    out = _wait(funcol.reduce_scatter_tensor(flat.contiguous(), "sum", 0, group))
+    out = _wait(funcol.reduce_scatter_single(flat.contiguous(), "sum", 0, group))
     return out.reshape(blocks.shape[1:])
 
 
@@ -111,6 +111,8 @@ def permute(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tupl
         if dst == me:
             recv[to_mesh[src]] = numel
     flat = x.contiguous().reshape(-1)
+    if not any(send):
+        flat = flat[:0]
     received = _wait(funcol.all_to_all_single(flat, recv, send, group))
     if received.numel() == 0:
         return torch.zeros_like(x)

@@ -79,9 +79,9 @@ def reduce_partial(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
     for axis, placement in enumerate(layout.placements):
         if isinstance(placement, Partial):
             if placement.op == "sum":
-                blocks = blocks.sum(axis, keepdim=True)
+                blocks = blocks.sum(axis, keepdim=True, dtype=blocks.dtype)
             elif placement.op == "avg":
-                total = blocks.sum(axis, keepdim=True)
+                total = blocks.sum(axis, keepdim=True, dtype=blocks.dtype)
                 size = layout.mesh.shape[axis]
                 floating = blocks.is_floating_point() or blocks.is_complex()
                 blocks = total / size if floating else total.div(size, rounding_mode="floor")
