@@ -159,6 +159,8 @@ class _Distribute(torch.autograd.Function):
     cotangent from one replica of each shard (DTensor: a Partial source gets a Replicate
     gradient)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(tensor, layout):
         return _storage_of(tensor, layout)
@@ -175,6 +177,8 @@ class _Distribute(torch.autograd.Function):
 class _FullTensor(torch.autograd.Function):
     """Storage -> global tensor. Backward: every device gets its block of the (replicated)
     global cotangent, with no communication."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(storage, layout, shape):

@@ -305,6 +305,8 @@ class _SumOverReplicas(torch.autograd.Function):
     """Identity forward; backward sums the cotangent over the replicated mesh axes (used when
     replication is not tracked, so each replica's cotangent is only its own contribution)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(storage, layout):
         return storage
@@ -326,6 +328,8 @@ class _SumOverReplicas(torch.autograd.Function):
 
 class _SplitCotangent(torch.autograd.Function):
     """Identity forward; backward divides the cotangent among ``replicas`` copies."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(storage, replicas):

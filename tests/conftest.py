@@ -9,3 +9,8 @@ settings.register_profile(
     "ci", max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,193 @@
+"""A catalogue of per-device programs for the systematic shard_map tests.
+
+Each case is built for a mesh and a tuple of mesh axes ``A`` (mesh order) with ``N`` devices
+along them, and gives: the per-device function, its specs, global input shapes, a reference on
+global tensors (plain torch, single device: the oracle for values and gradients), and the
+collectives its forward runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import functional_dtensor as fd
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    f: Callable
+    in_specs: tuple
+    out_specs: object
+    shapes: tuple[tuple[int, ...], ...]
+    reference: Callable
+    comm: dict = field(default_factory=dict)
+    check_rep: bool = True
+    smooth: bool = True  # differentiable almost everywhere at random inputs
+
+
+def blocks(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
+    """Split dim ``dim`` into ``n`` contiguous blocks stacked at a new leading dim."""
+    shape = (*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1 :])
+    return x.reshape(shape).movedim(dim, 0)
+
+
+def cases(mesh: fd.DeviceMesh, A: tuple[str, ...], m: int = 2) -> list[Case]:
+    """Every catalogue case for axes ``A`` (mesh order) of ``mesh``; local sizes ``m``."""
+    N = mesh.axis_size(A)
+    a = A if len(A) > 1 else A[0]
+    S, R = fd.P(a), fd.P()
+    col = fd.P(None, a)
+
+    def tiled_gather(x):
+        return fd.all_gather(x, A, axis=0, tiled=True)
+
+    out = [
+        Case("identity", lambda x: x, (S,), S, ((N * m, 3),), lambda x: x),
+        Case(
+            "elementwise",
+            lambda x: torch.sin(x) * 2 + 1,
+            (fd.P(None, a),),
+            fd.P(None, a),
+            ((3, N * m),),
+            lambda x: torch.sin(x) * 2 + 1,
+        ),
+        Case("local matmul", lambda x, w: x @ w, (S, R), S, ((N * m, 3), (3, 2)), lambda x, w: x @ w),
+        Case("psum", lambda x: fd.psum(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).sum(0), {"all_reduce": 1}),
+        Case("pmean", lambda x: fd.pmean(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).mean(0), {"all_reduce": 1}),
+        Case("pmax", lambda x: fd.pmax(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).amax(0), {"all_reduce": 1}),
+        Case("pmin", lambda x: fd.pmin(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).amin(0), {"all_reduce": 1}),
+        Case(
+            "psum of replicated",
+            lambda x: fd.psum(x, A),
+            (R,),
+            R,
+            ((m, 2),),
+            lambda x: N * x,
+            {"all_reduce": 1},
+        ),
+        Case(
+            "all_gather",
+            lambda x: fd.all_gather(x, A, axis=1),
+            (S,),
+            S,
+            ((N * m, 2),),
+            lambda x: blocks(x, N).transpose(0, 1).repeat(N, 1, 1),
+            {"all_gather": 1},
+        ),
+        Case(
+            "all_gather tiled, unchecked",
+            tiled_gather,
+            (S,),
+            R,
+            ((N * m, 2),),
+            lambda x: x,
+            {"all_gather": 1},
+            check_rep=False,
+        ),
+        Case(
+            "psum_scatter",
+            lambda x: fd.psum_scatter(x, A, scatter_dimension=0),
+            (col,),
+            S,
+            ((N, N * m),),
+            lambda x: blocks(x, N, 1).sum(0).reshape(-1),
+            {"reduce_scatter": 1},
+        ),
+        Case(
+            "psum_scatter tiled",
+            lambda x: fd.psum_scatter(x, A, scatter_dimension=0, tiled=True),
+            (col,),
+            S,
+            ((N * m, N * 2),),
+            lambda x: blocks(x, N, 1).sum(0),
+            {"reduce_scatter": 1},
+        ),
+        Case(
+            "all_to_all",
+            lambda x: fd.all_to_all(x, A, 1, 0),
+            (S,),
+            S,
+            ((N * m, N),),
+            lambda x: blocks(x, N).permute(2, 0, 1).reshape(N * N, m),
+            {"all_to_all": 1},
+        ),
+        Case(
+            "all_to_all tiled",
+            lambda x: fd.all_to_all(x, A, 1, 0, tiled=True),
+            (S,),
+            col,
+            ((N * m, N * 2),),
+            lambda x: x,
+            {"all_to_all": 1},
+        ),
+        Case(
+            "ppermute ring",
+            lambda x: fd.ppermute(x, A, [(i, (i + 1) % N) for i in range(N)]),
+            (S,),
+            S,
+            ((N * m, 2),),
+            lambda x: blocks(x, N).roll(1, 0).reshape(N * m, 2),
+            {"ppermute": 1},
+        ),
+        Case(
+            "ppermute to one",
+            lambda x: fd.ppermute(x, A, [(0, N - 1)]),
+            (S,),
+            S,
+            ((N * m, 2),),
+            lambda x: torch.cat([torch.zeros_like(blocks(x, N)[1:]), blocks(x, N)[:1]]).reshape(N * m, 2)
+            if N > 1
+            else x,
+            {"ppermute": 1},
+        ),
+        Case(
+            "axis_index",
+            lambda x: x * (fd.axis_index(A) + 1),
+            (S,),
+            S,
+            ((N * m, 2),),
+            lambda x: x * torch.arange(1, N + 1).repeat_interleave(m).unsqueeze(1),
+        ),
+        Case(
+            "tensor-parallel matmul + psum",
+            lambda x, w: fd.psum(x @ w, A),
+            (col, S),
+            R,
+            ((3, N * m), (N * m, 2)),
+            lambda x, w: x @ w,
+            {"all_reduce": 1},
+        ),
+        Case(
+            "all_gather then psum_scatter",
+            lambda x: fd.psum_scatter(torch.sin(tiled_gather(x)), A, tiled=True),
+            (S,),
+            S,
+            ((N * m, 2),),
+            lambda x: N * torch.sin(x),
+            {"all_gather": 1, "reduce_scatter": 1},
+        ),
+        Case(
+            "mlp",
+            lambda x, w1, w2: fd.psum(torch.tanh(x @ w1) @ w2, A),
+            (R, col, S),
+            R,
+            ((4, 3), (3, N * m), (N * m, 3)),
+            lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
+            {"all_reduce": 1},
+        ),
+    ]
+    return out
+
+
+def global_inputs(case: Case, dtype=torch.float64, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=generator, dtype=dtype) for s in case.shapes]
+
+
+def size(mesh: fd.DeviceMesh, A) -> int:
+    return math.prod(mesh.axis_size(a) for a in A)
