@@ -121,7 +121,7 @@ def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
         raise SpecError(
             explain(
                 where,
-                f"the spec has more entries than the value has dims",
+                "the spec has more entries than the value has dims",
                 expected=f"at most {value_ndim} entries",
                 got=f"{spec} ({len(spec)} entries) for a {value_ndim}-d value",
                 fix="drop the extra entries",
@@ -282,6 +282,7 @@ def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool):
             extra = axes_varying(value) - allowed
             if extra:
                 names = tuple(sorted(extra, key=mesh.axis_position))
+                shown = repr(names[0]) if len(names) == 1 else repr(names)
                 raise SpecError(
                     explain(
                         f"fd.shard_map({path})",
@@ -289,7 +290,7 @@ def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool):
                         "but the function does not guarantee it",
                         expected=f"an output that does not vary over {names}",
                         got=f"a value that may vary over {tuple(sorted(axes_varying(value)))}",
-                        fix=f"reduce it (fd.psum(y, {names!r})), name those axes in the spec, "
+                        fix=f"reduce it (e.g. fd.psum(y, {shown})), name those axes in the spec, "
                         "or pass check_rep=False",
                     )
                 )
