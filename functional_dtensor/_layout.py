@@ -51,31 +51,7 @@ class Layout:
                     fix="build one with fd.simulated_mesh or fd.init_device_mesh",
                 )
             )
-        placements = self.placements
-        if isinstance(placements, Placement):
-            placements = (placements,)
-        placements = tuple(placements)
-        for axis, placement in enumerate(placements):
-            if not isinstance(placement, Placement):
-                raise InputTypeError(
-                    explain(
-                        f"fd.Layout(placements[{axis}])",
-                        "each mesh axis needs a placement",
-                        expected="fd.Shard(dim), fd.Replicate() or fd.Partial(op)",
-                        got=repr(placement),
-                        fix="write one placement per mesh axis, or pass an fd.P spec",
-                    )
-                )
-        if len(placements) != self.mesh.ndim:
-            raise LayoutError(
-                explain(
-                    "fd.Layout(placements)",
-                    "one placement per mesh axis",
-                    expected=f"{self.mesh.ndim} for mesh axes {self.mesh.axis_names}",
-                    got=f"{len(placements)}: {_short(placements)}",
-                    fix="add fd.Replicate() for axes that do not split the tensor",
-                )
-            )
+        placements = _checked_placements(self.mesh, self.placements, "fd.Layout(placements)")
         object.__setattr__(self, "placements", placements)
 
     @classmethod
@@ -190,6 +166,36 @@ class Layout:
         return _short(self.placements)
 
 
+def _checked_placements(mesh: DeviceMesh, placements, where: str) -> tuple[Placement, ...]:
+    """``placements`` as a tuple, one Placement per mesh axis; ``where`` names the argument
+    (``"fd.Layout(placements)"``), an index goes inside its parenthesis."""
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    placements = tuple(placements)
+    for axis, placement in enumerate(placements):
+        if not isinstance(placement, Placement):
+            raise InputTypeError(
+                explain(
+                    f"{where[:-1]}[{axis}])" if where.endswith(")") else f"{where}[{axis}]",
+                    "each mesh axis needs a placement",
+                    expected="fd.Shard(dim), fd.Replicate() or fd.Partial(op)",
+                    got=repr(placement),
+                    fix="write one placement per mesh axis, or pass an fd.P spec",
+                )
+            )
+    if len(placements) != mesh.ndim:
+        raise LayoutError(
+            explain(
+                where,
+                "one placement per mesh axis",
+                expected=f"{mesh.ndim} for mesh axes {mesh.axis_names}",
+                got=f"{len(placements)}: {_short(placements)}",
+                fix="add fd.Replicate() for axes that do not split the tensor",
+            )
+        )
+    return placements
+
+
 def _short(placements: Sequence[object]) -> str:
     return "".join(str(p) for p in placements)
 
@@ -222,4 +228,4 @@ def as_layout(mesh: DeviceMesh, target: PlacementsOrSpec, *, where: str) -> Layo
                 fix="write e.g. [fd.Shard(0), fd.Replicate()] or fd.P('x')",
             )
         )
-    return Layout(mesh, tuple(target))
+    return Layout(mesh, _checked_placements(mesh, target, where))

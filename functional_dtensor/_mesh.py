@@ -153,7 +153,7 @@ class DeviceMesh:
 
     def axis_size(self, axes: str | Sequence[str]) -> int:
         """The number of devices along an axis, or along several axes together."""
-        return math.prod(self.shape[self.axis_position(a)] for a in _axis_tuple(axes))
+        return math.prod([self.shape[self.axis_position(a)] for a in _axis_tuple(axes)])
 
     def axis_position(self, axis: str) -> int:
         """The index of a named axis in ``shape``."""

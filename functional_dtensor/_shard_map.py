@@ -193,7 +193,7 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
             if isinstance(placement, Shard):
                 shape[placement.dim] *= mesh.shape[axis]
         if not check_rep:
-            replicas = math.prod(s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard))
+            replicas = math.prod([s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard)])
             if replicas > 1:
                 storage = _SplitCotangent.apply(storage, replicas)
         values.append(DTensor(storage, layout, shape))
@@ -240,7 +240,7 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
                 fix="give it the spec None to pass it through untouched",
             )
         )
-    if not check_rep and not all(isinstance(p, Shard) for p in layout.placements):
+    if not check_rep and not all([isinstance(p, Shard) for p in layout.placements]):
         storage = _SumOverReplicas.apply(storage, layout)
     return storage
 

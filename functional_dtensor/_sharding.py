@@ -82,7 +82,7 @@ def check_divisible(layout: Layout, global_shape: tuple[int, ...], *, where: str
     """Raise unless every sharded dim splits evenly (``shard_map``'s requirement)."""
     for dim, size in enumerate(global_shape):
         axes = layout.sharding_axes(dim)
-        parts = math.prod(layout.mesh.shape[a] for a in axes)
+        parts = math.prod([layout.mesh.shape[a] for a in axes])
         if size % parts:
             names = tuple(layout.mesh.axis_names[a] for a in axes)
             multiple = -(-size // parts) * parts

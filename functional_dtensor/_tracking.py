@@ -47,6 +47,12 @@ _RANDOM = {
     torch.Tensor.log_normal_,
 }
 
+_IN_PLACE = {
+    getattr(torch.Tensor, name)
+    for name in dir(torch.Tensor)
+    if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name, None))
+}
+
 
 def _tensors(args, kwargs):
     for value in (*args, *kwargs.values()):
@@ -85,7 +91,7 @@ class ReplicationTracker(TorchFunctionMode):
 
     @staticmethod
     def _pvary_inputs(func, args, kwargs, varying):
-        in_place = getattr(func, "__name__", "").endswith("_")
+        in_place = func in _IN_PLACE
 
         def lift(value, position):
             if isinstance(value, torch.Tensor):

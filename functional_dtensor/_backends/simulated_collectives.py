@@ -26,8 +26,8 @@ def _to_groups(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]):
     blocks = x.reshape(*mesh.shape, *local)
     if order != list(range(mesh.ndim)):
         blocks = blocks.permute(*order, *range(mesh.ndim, blocks.dim()))
-    rest = math.prod(mesh.shape[p] for p in others)
-    group = math.prod(mesh.shape[p] for p in positions)
+    rest = math.prod([mesh.shape[p] for p in others])
+    group = math.prod([mesh.shape[p] for p in positions])
     return blocks.reshape(rest, group, *local), order
 
 
