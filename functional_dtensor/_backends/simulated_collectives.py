@@ -41,7 +41,7 @@ def _from_groups(y: torch.Tensor, mesh: DeviceMesh, order: list[int]) -> torch.T
 
 
 _REDUCTIONS = {
-    "sum": lambda g: g.sum(1, keepdim=True),
+    "sum": lambda g: g.sum(1, keepdim=True, dtype=g.dtype),
     "avg": lambda g: g.mean(1, keepdim=True),
     "max": lambda g: g.amax(1, keepdim=True),
     "min": lambda g: g.amin(1, keepdim=True),
@@ -69,7 +69,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim
     """Sum over the group; device ``i`` keeps block ``i`` of dim ``dim`` (removed unless tiled)."""
     groups, order = _to_groups(x, mesh, axes)
     rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
-    summed = groups.sum(1)  # (rest, *local)
+    summed = groups.sum(1, dtype=groups.dtype)  # (rest, *local)
     if tiled:
         summed = summed.reshape(rest, *local[:dim], size, local[dim] // size, *local[dim + 1 :])
     return _from_groups(summed.movedim(1 + dim, 1).contiguous(), mesh, order)
