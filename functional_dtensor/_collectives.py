@@ -69,6 +69,7 @@ class _Op:
     frame: Frame
     axes: tuple[str, ...]
     saves_input: ClassVar[bool] = False
+    needs_varying: ClassVar[bool] = True  # run on values that vary over the axes (pvary first)
     name: ClassVar[str] = ""  # the collective it runs, as counted by CommDebugMode
 
     def run_stacked(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,6 +152,13 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
     with torch._C.DisableTorchFunction():
         out = _Collective.apply(_on_devices(x, op.frame), op, False)
     return out
+
+
+def on_storage(storage: torch.Tensor, mesh, op_type: type[_Op], axes: tuple[str, ...], **params) -> torch.Tensor:
+    """Run a collective on a global value's storage, outside any shard_map: the stacked shards
+    on the simulated backend, this rank's shard on the distributed one."""
+    op = op_type(Frame(mesh, False, None), axes, **params)
+    return _apply(storage, op, stacked=mesh.backend == "simulated")
 
 
 def _call(x, axis_name, where: str, make_op) -> torch.Tensor:

@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -194,6 +195,8 @@ class _FullTensor(torch.autograd.Function):
 
 
 def _device_index(mesh: DeviceMesh, device, where: str) -> int:
+    if not isinstance(device, (bool, tuple, list)) and hasattr(device, "__index__"):
+        device = operator.index(device)
     if isinstance(device, int) and not isinstance(device, bool) and 0 <= device < mesh.size:
         return device
     if (

@@ -172,6 +172,16 @@ class DeviceMesh:
 
     def coordinate(self, device: int) -> tuple[int, ...]:
         """The mesh coordinate of the device at flat (row-major) position ``device``."""
+        if not 0 <= device < self.size:
+            raise MeshError(
+                explain(
+                    "fd.DeviceMesh.coordinate(device)",
+                    "no such device",
+                    expected=f"a flat index in [0, {self.size})",
+                    got=repr(device),
+                    fix="count devices in row-major mesh order",
+                )
+            )
         coordinate = []
         for size in reversed(self.shape):
             device, index = divmod(device, size)
@@ -180,6 +190,16 @@ class DeviceMesh:
 
     def flat_index(self, coordinate: Sequence[int]) -> int:
         """The flat (row-major) position of the device at ``coordinate``."""
+        if len(coordinate) != self.ndim or not all([0 <= c < s for c, s in zip(coordinate, self.shape)]):
+            raise MeshError(
+                explain(
+                    "fd.DeviceMesh.flat_index(coordinate)",
+                    "no such device",
+                    expected=f"a coordinate within {self.shape}",
+                    got=repr(tuple(coordinate)),
+                    fix="give one index per mesh axis, each below the axis size",
+                )
+            )
         index = 0
         for c, size in zip(coordinate, self.shape, strict=True):
             index = index * size + c

@@ -23,10 +23,7 @@ import optree
 import torch
 from torch._C._functorch import maybe_current_level
 
-from . import _comm_log as comm_log
-from ._backends import distributed_collectives as on_ranks
-from ._backends import simulated_collectives as stacked_ops
-from ._collectives import pvary
+from ._collectives import AllReduce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import DTensor, _Distribute, _check_mesh
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
@@ -318,13 +315,9 @@ class _SumOverReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        layout = ctx.layout
-        mesh = layout.mesh
-        axes = tuple(n for n, p in zip(mesh.axis_names, layout.placements) if not isinstance(p, Shard))
-        ops = stacked_ops if mesh.backend == "simulated" else on_ranks
-        if comm_log.active():
-            comm_log.record("all_reduce", axes, g[0].numel() * g.element_size() if mesh.backend == "simulated" else g.numel() * g.element_size())
-        return ops.all_reduce(g, mesh, axes, "sum"), None
+        mesh = ctx.layout.mesh
+        axes = tuple([n for n, p in zip(mesh.axis_names, ctx.layout.placements) if not isinstance(p, Shard)])
+        return on_storage(g, mesh, AllReduce, axes, op="sum"), None
 
 
 class _SplitCotangent(torch.autograd.Function):
