@@ -22,12 +22,15 @@ so ``psum`` transposes to a broadcast with no communication. Without it, ``psum`
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 import torch
 from torch._C._functorch import (
     _add_batch_dim,
+    _unwrap_batched,
     get_unwrapped,
     is_batchedtensor,
     is_functorch_wrapped_tensor,
@@ -35,6 +38,9 @@ from torch._C._functorch import (
     maybe_get_level,
 )
 
+from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
+
+from . import _autograd as autograd
 from . import _comm_log as comm_log
 from ._backends import distributed_collectives as on_ranks
 from ._backends import simulated_collectives as stacked_ops
@@ -70,6 +76,7 @@ class _Op:
     axes: tuple[str, ...]
     saves_input: ClassVar[bool] = False
     needs_varying: ClassVar[bool] = True  # run on values that vary over the axes (pvary first)
+    keeps_device_dim: ClassVar[bool] = True  # run_stacked returns (n, ...), not one value
     name: ClassVar[str] = ""  # the collective it runs, as counted by CommDebugMode
 
     def run_stacked(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,12 +101,16 @@ class _Op:
         return self.frame.mesh.axis_size(self.axes)
 
 
+def _log(op: _Op, x: torch.Tensor, stacked: bool) -> None:
+    if op.name and not torch.compiler.is_compiling() and comm_log.active():
+        per_device = x.numel() // (x.shape[0] if stacked else 1) * x.element_size()
+        comm_log.record(op.name, op.axes, per_device)
+
+
 class _Collective(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, op: _Op, stacked: bool) -> torch.Tensor:
-        if op.name and not torch.compiler.is_compiling() and comm_log.active():
-            per_device = x.numel() // (x.shape[0] if stacked else 1) * x.element_size()
-            comm_log.record(op.name, op.axes, per_device)
+        _log(op, x, stacked)
         return op.run_stacked(x) if stacked else op.run_local(x)
 
     @staticmethod
@@ -121,7 +132,39 @@ class _Collective(torch.autograd.Function):
         if not stacked and level == op.frame.device_level:
             return _Collective.apply(x.movedim(batch_dim, 0), op, True), 0
         front = 1 if stacked else 0
-        return _Collective.apply(x.movedim(batch_dim, front), op.shifted(), stacked), front
+        out = _Collective.apply(x.movedim(batch_dim, front), op.shifted(), stacked)
+        return out, front if op.keeps_device_dim or not stacked else 0
+
+
+def _run_stacked(x: torch.Tensor, op: _Op) -> torch.Tensor:
+    return autograd.apply(_Collective, x, op, True)
+
+
+class _Replicate(torch.autograd.Function):
+    """A value that is the same on every device, as stacked copies (an expand view). Backward:
+    along the mesh axes at positions ``summed`` the copies' cotangents are contributions and are
+    summed; along the others the value is replicated, every copy's cotangent is already the
+    whole one, and the copy at coordinate 0 is taken."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, mesh_shape, summed):
+        return x.expand(math.prod(mesh_shape), *x.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh_shape, ctx.summed = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        blocks = g.reshape(*ctx.mesh_shape, *g.shape[1:])
+        for axis in range(len(ctx.mesh_shape)):
+            if axis in ctx.summed:
+                blocks = blocks.sum(axis, keepdim=True)
+            else:
+                blocks = blocks.narrow(axis, 0, 1)
+        return blocks.reshape(g.shape[1:]), None, None
 
 
 def _batched_at(x: torch.Tensor, level: int) -> bool:
@@ -135,23 +178,63 @@ def _batched_at(x: torch.Tensor, level: int) -> bool:
     return False
 
 
-def _on_devices(x: torch.Tensor, frame: Frame) -> torch.Tensor:
-    """``x`` as a per-device value of the simulated mesh (a value created inside the per-device
-    function, or captured from outside, is the same on every device)."""
-    if frame.device_level is None or _batched_at(x, frame.device_level):
+def on_devices(x: torch.Tensor, frame: Frame) -> torch.Tensor:
+    """``x`` as per-device values of the simulated mesh. A value that is not batched over the
+    devices (created inside the per-device function, captured, or replicated) is the same on
+    every device: it becomes stacked copies (a view) with :class:`_Replicate`'s gradient, summed
+    along the axes the value is treated as varying over (all of them with ``check_rep=False``)
+    and taken from one copy along the others."""
+    level = frame.device_level
+    if level is None or _batched_at(x, level):
         return x
-    n = frame.mesh.size
-    zeros = _add_batch_dim(torch.zeros(n, dtype=x.dtype, device=x.device), 0, frame.device_level)
-    return x + zeros
+    mesh = frame.mesh
+    varying = axes_varying(x)
+    summed = tuple([a for a, name in enumerate(mesh.axis_names) if not frame.check_rep or name in varying])
+    if maybe_current_level() == level:
+        with temporarily_pop_interpreter_stack():
+            stacked = autograd.apply(_Replicate, x, mesh.shape, summed)
+        return _add_batch_dim(stacked, 0, level)
+    # under a transform of the user's inside the per-device function: the same, with ops
+    first = _first_copies(mesh, summed, str(x.device))
+    return torch.where(_add_batch_dim(first, 0, level), x, x.detach())
+
+
+@functools.lru_cache(maxsize=256)
+def _first_copies(mesh, summed: tuple[int, ...], device: str) -> torch.Tensor:
+    """``(n,)``: True for the devices at coordinate 0 along every axis not in ``summed``."""
+    return torch.tensor(
+        [all(c == 0 for a, c in enumerate(mesh.coordinate(d)) if a not in summed) for d in range(mesh.size)],
+        device=device,
+    )
 
 
 def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
-    """Run ``op`` on ``x`` (per-device values, or stacked ones inside a transpose)."""
+    """Run ``op`` on ``x``: per-device values, or stacked ones (in a transpose, or outside
+    shard_map). On the simulated backend, when the device vmap is the innermost transform, the
+    device dim is unwrapped and the stacked op runs directly, below the vmap; a reduction over
+    every device then gives one unbatched value, and a ``pvary`` of an unbatched value stays
+    unbatched (broadcasting sums its gradient over the devices)."""
     if stacked:
-        return _Collective.apply(x, op, True)
+        return _run_stacked(x, op)
+    level = op.frame.device_level
     with torch._C.DisableTorchFunction():
-        out = _Collective.apply(_on_devices(x, op.frame), op, False)
-    return out
+        if level is None:
+            return autograd.apply(_Collective, x, op, False)
+        direct = maybe_current_level() == level
+        everywhere = axes_varying(x) | set(op.axes) == set(op.frame.mesh.axis_names)
+        if direct and isinstance(op, Pvary) and everywhere and not _batched_at(x, level):
+            with temporarily_pop_interpreter_stack():
+                return _run_stacked(x, VaryUnbatched(op.frame, op.axes))
+        x = on_devices(x, op.frame)
+        if direct and maybe_get_level(x) == level:
+            value, batch_dim = _unwrap_batched(x, level)
+            if type(op) is AllReduce and op.size == op.frame.mesh.size:
+                with temporarily_pop_interpreter_stack():
+                    return _run_stacked(value.movedim(batch_dim, 0), _ReduceAll(**vars(op)))
+            with temporarily_pop_interpreter_stack():
+                out = _run_stacked(value.movedim(batch_dim, 0), op)
+            return _add_batch_dim(out, 0, level)
+        return autograd.apply(_Collective, x, op, False)
 
 
 def on_storage(storage: torch.Tensor, mesh, op_type: type[_Op], axes: tuple[str, ...], **params) -> torch.Tensor:
@@ -177,8 +260,8 @@ def _call(x, axis_name, where: str, make_op) -> torch.Tensor:
     op = make_op(frame, axes)
     varying = axes_varying(x)
     if frame.check_rep and not set(axes) <= varying and op.needs_varying:
-        x = _apply(x, Pvary(frame, tuple(a for a in axes if a not in varying)))
         varying = varying | set(axes)
+        x = tag(_apply(x, Pvary(frame, tuple(a for a in axes if a not in axes_varying(x)))), varying)
     out = _apply(x, op)
     return tag(out, op.varying(frozenset(varying)) if frame.check_rep else None)
 
@@ -256,6 +339,51 @@ class AllReduce(_Op):
 
     def varying(self, axes):
         return axes - set(self.axes)
+
+
+@dataclass(frozen=True)
+class _ReduceAll(AllReduce):
+    """:class:`AllReduce` over every device of a simulated mesh, computed once: the result is
+    one unbatched value (the same on every device), not a copy per device. Its cotangent
+    arrives unbatched too (summed over the devices where they broadcast), so the transpose
+    broadcasts it."""
+
+    keeps_device_dim: ClassVar[bool] = False
+
+    def run_stacked(self, x):
+        if self.op == "sum":
+            return x.sum(0, dtype=x.dtype)
+        if self.op == "avg":
+            floating = x.is_floating_point() or x.is_complex()
+            return x.mean(0) if floating else x.sum(0).div(self.size, rounding_mode="floor")
+        return x.amax(0) if self.op == "max" else x.amin(0)
+
+    def transpose(self, g, stacked, saved):
+        if not self.frame.check_rep or self.transpose_psum:
+            _log(AllReduce(self.frame, self.axes), g.unsqueeze(0), True)  # summed by broadcasting
+        g_in = g.expand(self.size, *g.shape)
+        if self.op == "avg":
+            return g_in / self.size
+        if self.op in ("max", "min"):
+            x, out = saved
+            winners = (x == out).to(g.dtype)
+            _log(AllReduce(self.frame, self.axes), winners, True)
+            return g_in * winners / winners.sum(0)
+        return g_in
+
+
+@dataclass(frozen=True)
+class VaryUnbatched(Pvary):
+    """:class:`Pvary` of a value not batched over the simulated devices, to vary over every mesh
+    axis: it stays unbatched; where it meets per-device values, broadcasting sums its gradient
+    over all the devices, which is the all-reduce of pvary's transpose."""
+
+    def run_stacked(self, x):
+        return x.view_as(x)
+
+    def transpose(self, g, stacked, saved):
+        _log(AllReduce(self.frame, self.axes), g.unsqueeze(0), True)
+        return g
 
 
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:

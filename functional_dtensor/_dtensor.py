@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from . import _autograd as autograd
 from ._backends import simulated_storage as simulated
 from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec, as_layout
@@ -122,7 +123,7 @@ class DTensor:
 
     def full_tensor(self) -> torch.Tensor:
         """The global value on every device (Partial axes reduced). Differentiable."""
-        return _FullTensor.apply(self._storage, self._layout, tuple(self._shape))
+        return autograd.apply(_FullTensor, self._storage, self._layout, tuple(self._shape))
 
     def __repr__(self) -> str:
         return (
@@ -172,7 +173,7 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _FullTensor.apply(g, _without_partial(ctx.layout), ctx.shape), None
+        return autograd.apply(_FullTensor, g, _without_partial(ctx.layout), ctx.shape), None
 
 
 class _FullTensor(torch.autograd.Function):
@@ -191,7 +192,7 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _Distribute.apply(g, _without_partial(ctx.layout)), None, None
+        return autograd.apply(_Distribute, g, _without_partial(ctx.layout)), None, None
 
 
 def _device_index(mesh: DeviceMesh, device, where: str) -> int:
@@ -270,7 +271,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         )
     tensor = _check_tensor(tensor, f"{api}(tensor)")
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
-    storage = _Distribute.apply(tensor.to(layout.mesh.device_type), layout)
+    storage = autograd.apply(_Distribute, tensor.to(layout.mesh.device_type), layout)
     return DTensor(storage, layout, tensor.shape)
 
 

@@ -23,7 +23,8 @@ import optree
 import torch
 from torch._C._functorch import maybe_current_level
 
-from ._collectives import AllReduce, on_storage, pvary
+from . import _autograd as autograd
+from ._collectives import AllReduce, VaryUnbatched, on_devices, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import DTensor, _Distribute, _check_mesh
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
@@ -141,23 +142,33 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
     full_specs = _broadcast(in_specs, args, "in_specs")
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(args, none_is_leaf=True, namespace=NAMESPACE)
     spec_leaves = treedef.flatten_up_to(full_specs)
-    storages, in_axes = [], []
+    storages, in_axes, in_dims = [], [], []
     for accessor, value, spec in zip(accessors, leaves, spec_leaves):
         if spec is None:
             storages.append(value)
             in_axes.append(None)
+            in_dims.append(None)
             continue
         where = f"fd.shard_map(in_specs{accessor.codify('')})"
-        storages.append(_enter(value, spec, mesh, check_rep, where, accessor.codify("args")))
+        storage, batched = _enter(value, spec, mesh, check_rep, where, accessor.codify("args"))
+        storages.append(storage)
         in_axes.append(frozenset(spec.axis_names))
+        in_dims.append(0 if batched else None)
 
     out_layouts: list = []
     out_treedef: list = []
 
+    simulated = mesh.backend == "simulated"
+    in_dims = tuple(in_dims)
+    # vmap needs one mapped input to know the number of devices
+    needs_device_index = simulated and all(d is None for d in in_dims)
+
     def per_device(*local_leaves):
-        level = maybe_current_level() if mesh.backend == "simulated" else None
-        frame = Frame(mesh, check_rep, level)
+        level = maybe_current_level()
+        frame = Frame(mesh, check_rep, level if simulated else None)
         with bound_axes(frame):
+            if needs_device_index:
+                local_leaves = local_leaves[:-1]
             if check_rep:
                 local_leaves = [
                     v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes)
@@ -165,17 +176,20 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
                 ]
             local_args = treedef.unflatten(local_leaves)
             if check_rep:
-                with ReplicationTracker(mesh.axis_names):
+                with ReplicationTracker(frame, level):
                     outputs = f(*local_args)
             else:
                 outputs = f(*local_args)
             flat, specs, layouts, tree = _leave(outputs, out_specs, mesh, check_rep)
+            if simulated:
+                flat = [on_devices(v, frame) if isinstance(v, torch.Tensor) else v for v in flat]
         out_layouts[:] = list(zip(specs, layouts))
         out_treedef[:] = [tree]
         return tuple(flat)
 
-    if mesh.backend == "simulated":
-        in_dims = tuple(None if axes is None else 0 for axes in in_axes)
+    if simulated:
+        if needs_device_index:
+            storages, in_dims = [*storages, torch.arange(mesh.size)], (*in_dims, 0)
         results = torch.func.vmap(per_device, in_dims=in_dims, randomness="different")(*storages)
     else:
         results = per_device(*storages)
@@ -192,13 +206,15 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
         if not check_rep:
             replicas = math.prod([s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard)])
             if replicas > 1:
-                storage = _SplitCotangent.apply(storage, replicas)
+                storage = autograd.apply(_SplitCotangent, storage, replicas)
         values.append(DTensor(storage, layout, shape))
     return out_treedef[0].unflatten(values)
 
 
-def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argument: str) -> torch.Tensor:
-    """The storage of one argument: its stacked shards (simulated) or this rank's shard."""
+def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argument: str):
+    """The storage of one argument and whether it is batched over the devices: its stacked
+    shards (simulated) or this rank's shard. On the simulated backend a replicated argument
+    enters as one unbatched value, the same on every device."""
     if isinstance(value, DTensor):
         layout = _layout(mesh, spec, value.ndim, where)
         if value.device_mesh != mesh:
@@ -223,10 +239,14 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
             )
         check_divisible(layout, tuple(value.shape), where=where)
         storage = value._storage
+        if mesh.backend == "simulated" and layout.is_replicated:
+            return _replicated(storage[0], mesh, check_rep), False
     elif isinstance(value, torch.Tensor):
         layout = _layout(mesh, spec, value.dim(), where)
         check_divisible(layout, tuple(value.shape), where=where)
-        storage = _Distribute.apply(value.to(mesh.device_type), layout)
+        if mesh.backend == "simulated" and layout.is_replicated:
+            return _replicated(value.to(mesh.device_type), mesh, check_rep), False
+        storage = autograd.apply(_Distribute, value.to(mesh.device_type), layout)
     else:
         raise InputTypeError(
             explain(
@@ -238,8 +258,17 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
             )
         )
     if not check_rep and not all([isinstance(p, Shard) for p in layout.placements]):
-        storage = _SumOverReplicas.apply(storage, layout)
-    return storage
+        storage = autograd.apply(_SumOverReplicas, storage, layout)
+    return storage, True
+
+
+def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch.Tensor:
+    """A replicated argument on the simulated backend: one unbatched value. Unchecked, its
+    gradient is the sum of every device's contribution, which broadcasting computes; counted
+    as the all-reduce the distributed backend runs for it."""
+    if check_rep:
+        return value
+    return on_storage(value, mesh, VaryUnbatched, mesh.axis_names)
 
 
 def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool):

@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._collectives import pvary
+from torch._C._functorch import maybe_current_level, maybe_get_level
+
+from ._collectives import on_devices, pvary
+from ._context import Frame
+from ._errors import FunctionalDTensorError, explain
 from ._varying import axes_varying, tag
 
 __all__ = ["ReplicationTracker"]
@@ -67,18 +71,33 @@ def _tensors(args, kwargs):
 class ReplicationTracker(TorchFunctionMode):
     """Propagate the varying axes of local values through every torch op."""
 
-    def __init__(self, axis_names: tuple[str, ...]) -> None:
+    def __init__(self, frame: Frame, level: int | None) -> None:
         super().__init__()
-        self.all_axes = frozenset(axis_names)
+        self.frame = frame
+        self.all_axes = frozenset(frame.mesh.axis_names)
+        self.level = level  # the functorch level the per-device function runs at
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not torch.compiler.is_compiling() and maybe_current_level() != self.level:
+            raise FunctionalDTensorError(
+                explain(
+                    "fd.shard_map(check_rep=True)",
+                    "replication is not tracked through torch.func transforms inside the "
+                    "per-device function",
+                    expected="torch.func.vmap/grad/vjp applied to the shard_map'd function",
+                    got=f"{getattr(func, '__name__', func)} run under a transform inside it",
+                    fix="pass check_rep=False, or apply the transform outside shard_map",
+                )
+            )
         found = [axes_varying(t) for t in _tensors(args, kwargs)]
         varying = frozenset().union(*found) if found else frozenset()
         if func in _RANDOM:
             varying = self.all_axes
         elif varying and any(v != varying for v in found):
             args, kwargs = self._pvary_inputs(func, args, kwargs, varying)
+        if self.frame.device_level is not None and varying != self.all_axes and len(found) > 1:
+            args, kwargs = self._lift_inputs(func, args, kwargs)
         out = func(*args, **kwargs)
         if varying:
             if isinstance(out, torch.Tensor):
@@ -88,6 +107,25 @@ class ReplicationTracker(TorchFunctionMode):
                     if isinstance(item, torch.Tensor):
                         tag(item, varying)
         return out
+
+    def _lift_inputs(self, func, args, kwargs):
+        """On the simulated backend, where values the same on every device meet per-device
+        values, make them per-device copies first: broadcasting alone would sum their gradient
+        over the devices along which they are replicated."""
+        level = self.frame.device_level
+        levels = [maybe_get_level(t) == level for t in _tensors(args, kwargs)]
+        if all(levels) or not any(levels):
+            return args, kwargs
+
+        def lift(value, position):
+            if isinstance(value, torch.Tensor):
+                if maybe_get_level(value) != level and not (func in _IN_PLACE and position == 0):
+                    return on_devices(value, self.frame)
+            elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                return type(value)(lift(v, -1) for v in value)
+            return value
+
+        return tuple(lift(a, i) for i, a in enumerate(args)), {k: lift(v, -1) for k, v in kwargs.items()}
 
     @staticmethod
     def _pvary_inputs(func, args, kwargs, varying):

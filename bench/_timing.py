@@ -1,0 +1,85 @@
+"""Timing helpers shared by the benchmarks: interleaved repetitions, medians, rich tables.
+
+The project's machines have 2 cores shared with other jobs, so absolute times drift by 2x
+within a minute. Every benchmark therefore runs all its variants in the same loop, in a
+shuffled order each repetition, and reports medians and ratios of medians from that one run.
+Each call is timed twice: wall-clock time, and the CPU time of this process (which does not
+count the time spent waiting for a core that another job holds; the simulated benchmarks run
+single-threaded, so it is the work done). Ratios of CPU-time medians are far more stable on a
+loaded machine; both are printed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["Samples", "interleaved", "median_ms", "table", "print_table", "verdict"]
+
+
+class Samples(NamedTuple):
+    wall: list[float]  # seconds per call
+    cpu: list[float]  # CPU seconds of this process per call
+
+
+def interleaved(
+    steps: dict[str, Callable[[], object]],
+    *,
+    reps: int,
+    warmup: int,
+    seed: int = 0,
+    before_each: Callable[[], object] | None = None,
+) -> dict[str, Samples]:
+    """Seconds per call of each step, the steps run in a fresh shuffled order each repetition.
+
+    ``seed`` fixes the orders, so that every rank of a distributed run agrees on them;
+    ``before_each`` runs untimed before every call (a barrier, for instance).
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    order = list(steps)
+    rng = random.Random(seed)
+    times = {name: Samples([], []) for name in steps}
+    for _ in range(reps):
+        rng.shuffle(order)
+        for name in order:
+            if before_each is not None:
+                before_each()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            steps[name]()
+            cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
+            times[name].wall.append(wall)
+            times[name].cpu.append(cpu)
+    return times
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def verdict(value: float, target: float) -> str:
+    return f"[green]<= {target:g}[/green]" if value <= target else f"[red]> {target:g}[/red]"
+
+
+def table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
+    out = Table(title=title, box=box.SIMPLE_HEAD)
+    for i, column in enumerate(columns):
+        out.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        out.add_row(*row)
+    return out
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]], caption: str = "") -> None:
+    console = Console(width=max(130, Console().width))
+    console.print(table(title, columns, rows))
+    if caption:
+        console.print(caption)
