@@ -75,6 +75,14 @@ class DTensor:
         return self._storage.requires_grad
 
     @property
+    def grad(self) -> DTensor | None:
+        """The gradient accumulated on this value's storage by ``backward()``, laid out like the
+        value (Partial axes as Replicate), or ``None``. Storage is a leaf when the value was
+        made by a factory with ``requires_grad=True`` or by :func:`from_local` of leaves."""
+        grad = self._storage.grad
+        return None if grad is None else DTensor(grad, _without_partial(self._layout), self._shape)
+
+    @property
     def layout(self) -> Layout:
         return self._layout
 

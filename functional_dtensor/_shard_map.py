@@ -114,6 +114,7 @@ def _broadcast(specs, tree, name: str):
         ) from None
 
 
+@functools.lru_cache(maxsize=1024)
 def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
     if len(spec) > value_ndim:
         raise SpecError(

@@ -8,6 +8,7 @@ flattened groups for a tuple of axes on first use, by every rank alike) and reus
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 from typing import Sequence
@@ -88,7 +89,12 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
 def coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     """This rank's coordinate in ``mesh``."""
     _check_initialized(mesh)
-    return mesh.coordinate(mesh.device_ids.index(dist.get_rank()))
+    return _coordinate(mesh, dist.get_rank())
+
+
+@functools.lru_cache(maxsize=256)
+def _coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
+    return mesh.coordinate(mesh.device_ids.index(rank))
 
 
 def group_index(mesh: DeviceMesh, axes: tuple[str, ...]) -> int:

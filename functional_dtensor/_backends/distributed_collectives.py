@@ -1,5 +1,6 @@
-"""How collectives execute on the distributed backend: ``torch.distributed`` functional
-collectives (traceable by ``torch.compile``) on this rank's local tensor.
+"""How collectives execute on the distributed backend, on this rank's local tensor: c10d calls
+when eager (the lightest path; a failure or a timeout becomes a :class:`CommunicationError`),
+``torch.distributed`` functional collectives under ``torch.compile`` (traceable).
 
 Groups come from :mod:`.distributed` (one per mesh axis, one per flattened tuple of axes). A
 group orders its ranks in mesh order; when a tuple of axes is given in another order, the
@@ -10,18 +11,73 @@ order the names were given (major first), as on the simulated backend.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .._errors import CommunicationError, explain
 from .._mesh import DeviceMesh
 from . import distributed
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "axis_index"]
 
-_REDUCE_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}
+_C10D_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _c10d(collective, *args, group, **kwargs) -> None:
+    try:
+        collective(*args, group=group, **kwargs)
+    except RuntimeError as error:  # gloo/NCCL failures and timeouts (DistBackendError included)
+        raise CommunicationError(
+            explain(
+                f"fd collective ({collective.__name__} over {dist.get_world_size(group)} ranks)",
+                "the collective failed",
+                expected="every rank of the group to join it",
+                got=str(error).splitlines()[0],
+                fix="check the other ranks' logs: a rank that died, or that skipped this "
+                "collective, stops the others; the process group's timeout bounds the wait",
+            )
+        ) from error
+
+
+def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _wait(funcol.all_reduce(x, op, group))
+    out = x.clone(memory_format=torch.contiguous_format)
+    _c10d(dist.all_reduce, out, op=_C10D_OPS[op], group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, size: int, group) -> torch.Tensor:
+    """``(size * x.shape[0], ...)``: every rank's ``x`` concatenated along dim 0."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return _wait(funcol.all_gather_single(x, 0, group))
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    _c10d(dist.all_gather_into_tensor, out, x, group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, size: int, group) -> torch.Tensor:
+    """Sum over ranks of ``x``; rank ``i`` keeps block ``i`` of dim 0."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return _wait(funcol.reduce_scatter_single(x, "sum", 0, group))
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    _c10d(dist.reduce_scatter_tensor, out, x, group=group)
+    return out
+
+
+def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return _wait(funcol.all_to_all_single(x, out_splits, in_splits, group))
+    out = x.new_empty((sum(out_splits) if out_splits is not None else x.shape[0], *x.shape[1:]))
+    _c10d(dist.all_to_all_single, out, x, out_splits, in_splits, group=group)
+    return out
 
 
 def _group_order(mesh: DeviceMesh, axes: tuple[str, ...]):
@@ -51,13 +107,13 @@ def _reorder_blocks(x: torch.Tensor, dim: int, mesh: DeviceMesh, axes: tuple[str
 
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
-    return _wait(funcol.all_reduce(x, _REDUCE_OPS[op], distributed.group(mesh, axes)))
+    return _all_reduce(x, op, distributed.group(mesh, axes))
 
 
 def all_gather(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool) -> torch.Tensor:
     group = distributed.group(mesh, axes)
     size = mesh.axis_size(axes)
-    stacked = _wait(funcol.all_gather_single(x.contiguous(), 0, group))  # (size * x0, ...)
+    stacked = _all_gather(x, size, group)  # (size * x0, ...)
     stacked = stacked.reshape(size, *x.shape)
     stacked = _reorder_blocks(stacked, 0, mesh, axes, to_mesh_order=False)
     gathered = stacked.movedim(0, dim)
@@ -74,7 +130,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim
     blocks = x.movedim(dim, 0)  # (size, ...): block i goes to device i (given order)
     blocks = _reorder_blocks(blocks, 0, mesh, axes, to_mesh_order=True)
     flat = blocks.reshape(size * blocks.shape[1] if blocks.dim() > 1 else size, *blocks.shape[2:])
-    out = _wait(funcol.reduce_scatter_single(flat.contiguous(), "sum", 0, group))
+    out = _reduce_scatter(flat, size, group)
     return out.reshape(blocks.shape[1:])
 
 
@@ -87,7 +143,7 @@ def all_to_all(
         x = x.reshape(*x.shape[:split], size, x.shape[split] // size, *x.shape[split + 1 :])
     blocks = x.movedim(split, 0)  # (dst, ...)
     blocks = _reorder_blocks(blocks, 0, mesh, axes, to_mesh_order=True).contiguous()
-    received = _wait(funcol.all_to_all_single(blocks.reshape(-1), None, None, group))
+    received = _all_to_all(blocks.reshape(-1), None, None, group)
     received = received.reshape(blocks.shape)  # (src in mesh order, ...)
     received = _reorder_blocks(received, 0, mesh, axes, to_mesh_order=False)
     out = received.movedim(0, concat)
@@ -113,7 +169,7 @@ def permute(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tupl
     flat = x.contiguous().reshape(-1)
     if not any(send):
         flat = flat[:0]
-    received = _wait(funcol.all_to_all_single(flat, recv, send, group))
+    received = _all_to_all(flat, recv, send, group)
     if received.numel() == 0:
         return torch.zeros_like(x)
     return received.reshape(x.shape)
