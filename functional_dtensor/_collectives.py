@@ -229,11 +229,10 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
         if direct and maybe_get_level(x) == level:
             value, batch_dim = _unwrap_batched(x, level)
             if type(op) is AllReduce and op.size == op.frame.mesh.size:
-                with temporarily_pop_interpreter_stack():
-                    return _run_stacked(value.movedim(batch_dim, 0), _ReduceAll(**vars(op)))
+                op = _ReduceAll(**vars(op))
             with temporarily_pop_interpreter_stack():
                 out = _run_stacked(value.movedim(batch_dim, 0), op)
-            return _add_batch_dim(out, 0, level)
+            return _add_batch_dim(out, 0, level) if op.keeps_device_dim else out
         return autograd.apply(_Collective, x, op, False)
 
 
