@@ -36,6 +36,7 @@ from ._layout import Layout
 from ._backends.distributed import init_device_mesh
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
+from ._redistribute import redistribute
 from ._shard_map import shard_map
 from ._spec import P
 
@@ -79,6 +80,7 @@ __all__ = [
     "ones",
     "rand",
     "randn",
+    "redistribute",
     "simulated_mesh",
     "zeros",
 ]

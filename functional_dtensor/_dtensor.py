@@ -133,6 +133,12 @@ class DTensor:
         """The global value on every device (Partial axes reduced). Differentiable."""
         return autograd.apply(_FullTensor, self._storage, self._layout, tuple(self._shape))
 
+    def redistribute(self, placements) -> DTensor:
+        """This value in another layout: :func:`fd.redistribute(self, placements) <redistribute>`."""
+        from ._redistribute import redistribute
+
+        return redistribute(self, placements)
+
     def __repr__(self) -> str:
         return (
             f"DTensor(shape={tuple(self._shape)}, dtype={self.dtype}, "
