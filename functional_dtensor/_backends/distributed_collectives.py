@@ -184,3 +184,24 @@ def _mesh_positions(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[int]:
 
 def axis_index(mesh: DeviceMesh, axes: tuple[str, ...], device: str) -> torch.Tensor:
     return torch.tensor(distributed.group_index(mesh, axes), device=device)
+
+
+def reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int) -> torch.Tensor:
+    """The sum over the group into the device at flat mesh index ``root`` (the others' results
+    are not meaningful); under compile, an all-reduce."""
+    group = distributed.group(mesh, axes)
+    if torch.compiler.is_compiling():
+        return _wait(funcol.all_reduce(x, "sum", group))
+    out = x.clone(memory_format=torch.contiguous_format)
+    _c10d(dist.reduce, out, mesh.device_ids[root], group=group)
+    return out
+
+
+def broadcast(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int) -> torch.Tensor:
+    """The value of the device at flat mesh index ``root``, on every device of the group."""
+    group = distributed.group(mesh, axes)
+    if torch.compiler.is_compiling():
+        return _wait(funcol.broadcast(x, mesh.device_ids[root], group))
+    out = x.contiguous().clone()
+    _c10d(dist.broadcast, out, mesh.device_ids[root], group=group)
+    return out
