@@ -36,6 +36,7 @@ from ._layout import Layout
 from ._backends.distributed import init_device_mesh
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
+from ._explain import PlanReport, explain_redistribute
 from ._redistribute import redistribute
 from ._shard_map import shard_map
 from ._spec import P
@@ -75,6 +76,8 @@ __all__ = [
     "SpecError",
     "distribute_tensor",
     "empty",
+    "explain_redistribute",
+    "PlanReport",
     "from_local",
     "full",
     "ones",

@@ -1,0 +1,117 @@
+"""``explain_redistribute``: the plan of a layout change, step by step, with its cost.
+
+>>> import torch, functional_dtensor as fd
+>>> mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+>>> x = fd.distribute_tensor(torch.zeros(8, 8), mesh, fd.P("x", "y"))
+>>> report = fd.explain_redistribute(x, fd.P("y", "x"), show=False)
+>>> print(report.summary)
+S(0)S(1) -> S(1)S(0): 1 step, 64 B received per device (lower bound 64 B)
+>>> [str(step) for step in report.steps]
+['ppermute(x, y)']
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._dtensor import DTensor, layout_for
+from ._errors import InputTypeError, explain
+from ._layout import Layout, PlacementsOrSpec
+from ._redistribute_plan import Step, lower_bound, plan, step_bytes
+
+__all__ = ["explain_redistribute", "PlanReport"]
+
+
+class PlanReport(NamedTuple):
+    """What :func:`explain_redistribute` found: the steps, the bytes each step makes a device
+    receive (and send), their total and the lower bound, all per device."""
+
+    source: Layout
+    target: Layout
+    shape: tuple[int, ...]
+    steps: tuple[Step, ...]
+    step_bytes: tuple[int, ...]
+    total_bytes: int
+    lower_bound: int
+
+    @property
+    def summary(self) -> str:
+        count = len(self.steps)
+        return (
+            f"{self.source} -> {self.target}: {count} step{'s' * (count != 1)}, "
+            f"{_size(self.total_bytes)} received per device (lower bound {_size(self.lower_bound)})"
+        )
+
+    def table(self):
+        """The plan as a rich table."""
+        from rich.table import Table
+
+        table = Table(title=self.summary)
+        for column in ("step", "over axes", "layout after", "sent = received per device"):
+            table.add_column(column)
+        table.add_row("", "", str(self.source), "")
+        for step, nbytes in zip(self.steps, self.step_bytes):
+            kind = step.collective or f"{type(step).__name__.lower()} (local)"
+            axes = f"{', '.join(step.names)} ({step.group_size} devices)"
+            table.add_row(kind, axes, str(step.target), _size(nbytes))
+        table.add_row("total", "", "", _size(self.total_bytes))
+        table.add_row("lower bound", "", "", _size(self.lower_bound))
+        return table
+
+
+def explain_redistribute(
+    x: DTensor | Layout,
+    target: PlacementsOrSpec,
+    shape=None,
+    *,
+    dtype: torch.dtype | None = None,
+    show: bool = True,
+) -> PlanReport:
+    """The plan :func:`redistribute` runs to move ``x`` (a value, or a layout with its global
+    ``shape``) to ``target``: printed as a table (unless ``show=False``) and returned."""
+    if isinstance(x, DTensor):
+        source, shape, dtype = x.layout, tuple(x.shape), x.dtype
+    elif isinstance(x, Layout):
+        if shape is None:
+            raise InputTypeError(
+                explain(
+                    "fd.explain_redistribute(shape)",
+                    "a layout alone has no size",
+                    expected="the global shape of the value",
+                    got="None",
+                    fix="pass shape=(rows, cols, ...), or pass the DTensor itself",
+                )
+            )
+        source, shape = x, tuple(shape)
+    else:
+        raise InputTypeError(
+            explain(
+                "fd.explain_redistribute(x)",
+                "a value or a layout is needed",
+                expected="an fd.DTensor or an fd.Layout",
+                got=type(x).__name__,
+                fix="pass the DTensor you would redistribute",
+            )
+        )
+    source = source.normalized(len(shape), where="fd.explain_redistribute")
+    destination = layout_for(source.mesh, target, len(shape), "fd.explain_redistribute")
+    itemsize = torch.empty((), dtype=dtype or torch.float32).element_size()
+    steps = plan(source, destination, shape, itemsize)
+    costs = tuple(step_bytes(s, shape, itemsize) for s in steps)
+    report = PlanReport(
+        source, destination, shape, steps, costs, sum(costs), lower_bound(source, destination, shape, itemsize)
+    )
+    if show:
+        from rich.console import Console
+
+        Console().print(report.table())
+    return report
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
