@@ -235,7 +235,7 @@ def _replace(placements: Placements, axes, placement) -> Placements:
 def _moves(placements: Placements, target: Placements, mesh, ndim: int):
     """Every step from ``placements``: (step type, axes, extra fields, placements after)."""
     axes = range(len(placements))
-    ops = {p.op for p in placements if isinstance(p, Partial)}
+    ops = sorted({p.op for p in placements if isinstance(p, Partial)})  # the same order on every rank
     for op in ops:
         partial = [a for a in axes if placements[a] == Partial(op)]
         for group in _subsets(partial):

@@ -161,3 +161,30 @@ def test_point_to_point_plans(mesh_shape, source, target, collective):
         torch.testing.assert_close(got, want)
     (g,) = torch.autograd.grad(y.full_tensor().sum(), t)
     torch.testing.assert_close(g, torch.ones_like(t))
+
+
+def test_plans_are_the_same_in_every_process():
+    """Every rank plans for itself: the plan must not depend on per-process hash seeds."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import functional_dtensor as fd\n"
+        "from functional_dtensor._redistribute_plan import plan\n"
+        "mesh = fd.simulated_mesh((2, 2, 2), ('x', 'y', 'z'))\n"
+        "ops = [fd.Partial('sum'), fd.Partial('max'), fd.Partial('avg')]\n"
+        "src, dst = fd.Layout(mesh, tuple(ops)), fd.Layout(mesh, (fd.Replicate(),) * 3)\n"
+        "print([str(s) for s in plan(src, dst, (8, 8), 4)])\n"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(outputs) == 1
