@@ -185,6 +185,6 @@ def test_plans_are_the_same_in_every_process():
             text=True,
             check=True,
         ).stdout
-        for seed in (1, 2, 3)
+        for seed in (1, 2)
     }
     assert len(outputs) == 1
