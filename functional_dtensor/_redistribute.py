@@ -24,8 +24,9 @@ from . import _comm_log as comm_log
 from ._backends import distributed, distributed_collectives, simulated_collectives
 from ._dtensor import DTensor, _global_of, _storage_of, _without_partial, layout_for
 from ._errors import InputTypeError, explain
-from ._layout import PlacementsOrSpec
-from ._placements import Partial, Shard
+from ._layout import Layout, PlacementsOrSpec
+from ._mesh import DeviceMesh
+from ._placements import Partial, Replicate, Shard
 from ._redistribute_plan import (
     AllGather,
     AllReduce,
@@ -74,7 +75,8 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def forward(storage, source, target, shape):
-        for step in plan(source, target, shape, storage.element_size()):
+        index = _plan_index(_key(source), _key(target), shape, storage.element_size())
+        for step in _PLANS[index]:
             storage = run(step, storage, shape)
         return storage
 
@@ -88,6 +90,36 @@ class _Redistribute(torch.autograd.Function):
         if source == target:
             return g, None, None, None
         return autograd.apply(_Redistribute, g, source, target, ctx.shape), None, None, None
+
+
+# Under torch.compile the planner is not traced: it runs eagerly, from primitive keys of the
+# layouts, and the graph keeps the index of its plan here.
+_PLANS: list[tuple[Step, ...]] = []
+_PLAN_INDEX: dict[tuple[Step, ...], int] = {}
+
+
+def _key(layout: Layout) -> tuple:
+    mesh = layout.mesh
+    placements = tuple(
+        ("S", p.dim) if isinstance(p, Shard) else ("P", p.op) if isinstance(p, Partial) else ("R",)
+        for p in layout.placements
+    )
+    return (mesh.shape, mesh.axis_names, mesh.device_type, mesh.backend, mesh.device_ids, placements)
+
+
+def _layout(key: tuple) -> Layout:
+    shape, names, device_type, backend, ids, placements = key
+    rebuilt = [Shard(v[1]) if v[0] == "S" else Partial(v[1]) if v[0] == "P" else Replicate() for v in placements]
+    return Layout(DeviceMesh(shape, names, device_type, backend, ids), tuple(rebuilt))
+
+
+@torch._dynamo.assume_constant_result
+def _plan_index(source_key: tuple, target_key: tuple, shape: tuple[int, ...], itemsize: int) -> int:
+    steps = plan(_layout(source_key), _layout(target_key), shape, itemsize)
+    if steps not in _PLAN_INDEX:
+        _PLAN_INDEX[steps] = len(_PLANS)
+        _PLANS.append(steps)
+    return _PLAN_INDEX[steps]
 
 
 # --- the executor: one function per step ------------------------------------------------------
