@@ -175,11 +175,14 @@ class _Distribute(torch.autograd.Function):
     cotangent from one replica of each shard (DTensor: a Partial source gets a Replicate
     gradient)."""
 
-    generate_vmap_rule = True
-
     @staticmethod
     def forward(tensor, layout):
         return _storage_of(tensor, layout)
+
+    @staticmethod
+    def vmap(info, in_dims, tensor, layout):
+        # a mapped batch becomes one more trailing dim of the value, whole on every device
+        return autograd.apply(_Distribute, tensor.movedim(in_dims[0], -1), layout), -1
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -194,11 +197,14 @@ class _FullTensor(torch.autograd.Function):
     """Storage -> global tensor. Backward: every device gets its block of the (replicated)
     global cotangent, with no communication."""
 
-    generate_vmap_rule = True
-
     @staticmethod
     def forward(storage, layout, shape):
         return _global_of(storage, layout, shape)
+
+    @staticmethod
+    def vmap(info, in_dims, storage, layout, shape):
+        moved = storage.movedim(in_dims[0], -1)
+        return autograd.apply(_FullTensor, moved, layout, (*shape, moved.shape[-1])), -1
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -1,5 +1,10 @@
 """Factories that materialize only the local shards of a global value (as DTensor's).
 
+Random values depend on the layout's shards, not on the backend: each distinct shard is drawn
+from its own generator, seeded from one number drawn from torch's default generator (so
+``torch.manual_seed`` makes them reproducible, and equally seeded ranks agree). The simulated
+and the distributed backend give the same values.
+
 >>> import functional_dtensor as fd
 >>> mesh = fd.simulated_mesh((2, 2), ("x", "y"))
 >>> fd.ones((5, 4), mesh=mesh, placements=fd.P("x", "y")).to_local(device=(1, 1)).shape
@@ -14,13 +19,29 @@ import torch
 
 from ._backends import simulated_storage as simulated
 from ._dtensor import DTensor, layout_for
-from ._layout import PlacementsOrSpec
+from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
 
 
-def _factory(name: str, fill: Callable[..., torch.Tensor]):
+def _shape(size) -> tuple[int, ...]:
+    return tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+
+
+def _build(layout: Layout, shape: tuple[int, ...], blocks: Callable[[tuple[int, ...], int | None], torch.Tensor]):
+    """Storage from ``blocks(block_shape, shard)``: the padded blocks of the distinct shard
+    ``shard`` (``None``: of every distinct shard, stacked)."""
+    sizes, padded = simulated.distinct_shards(layout, shape)
+    if layout.mesh.backend == "simulated":
+        return simulated.materialize(layout, shape, blocks((*sizes, *padded), None))
+    from ._backends import distributed_storage
+
+    block = blocks(padded, distributed_storage.shard_index(layout))
+    return distributed_storage.materialize(layout, shape, block)
+
+
+def _filled(name: str, fill: Callable[..., torch.Tensor]):
     def factory(
         *size: int | Sequence[int],
         mesh: DeviceMesh,
@@ -28,30 +49,59 @@ def _factory(name: str, fill: Callable[..., torch.Tensor]):
         dtype: torch.dtype | None = None,
         requires_grad: bool = False,
     ) -> DTensor:
-        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        shape = _shape(size)
         layout = layout_for(mesh, placements, len(shape), f"fd.{name}")
-        options = {"dtype": dtype, "device": layout.mesh.device_type}
-        if layout.mesh.backend == "simulated":
-            storage = simulated.materialize(layout, shape, lambda s: fill(s, **options))
-        else:
-            from ._backends import distributed_storage
+        device = layout.mesh.device_type
+        storage = _build(layout, shape, lambda s, shard: fill(s, dtype=dtype, device=device))
+        return DTensor(storage.requires_grad_(requires_grad), layout, shape)
 
-            local_shape = distributed_storage.local_shape(layout, shape)
-            storage = distributed_storage.materialize(layout, local_shape, lambda s: fill(s, **options))
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards."
+    return factory
+
+
+def _random(name: str, draw: Callable[..., torch.Tensor]):
+    def factory(
+        *size: int | Sequence[int],
+        mesh: DeviceMesh,
+        placements: PlacementsOrSpec,
+        dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
+    ) -> DTensor:
+        shape = _shape(size)
+        layout = layout_for(mesh, placements, len(shape), f"fd.{name}")
+        device = layout.mesh.device_type
+        seed = int(torch.randint(0, 2**62, ()))
+
+        def one(block_shape, shard: int) -> torch.Tensor:
+            generator = torch.Generator(device=device).manual_seed(seed + shard)
+            return draw(block_shape, generator=generator, dtype=dtype, device=device)
+
+        def blocks(block_shape, shard):
+            if shard is not None:
+                return one(block_shape, shard)
+            count = 1
+            for s in block_shape[: layout.mesh.ndim]:
+                count *= s
+            inner = block_shape[layout.mesh.ndim :]
+            return torch.stack([one(inner, i) for i in range(count)]).reshape(block_shape)
+
+        storage = _build(layout, shape, blocks)
         return DTensor(storage.requires_grad_(requires_grad), layout, shape)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = (
-        f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards."
+        f"A global value of shape ``size`` drawn as ``torch.{name}``, materializing only local shards; "
+        "each distinct shard from its own generator (the same values on either backend)."
     )
     return factory
 
 
-zeros = _factory("zeros", torch.zeros)
-ones = _factory("ones", torch.ones)
-empty = _factory("empty", torch.empty)
-rand = _factory("rand", torch.rand)
-randn = _factory("randn", torch.randn)
+zeros = _filled("zeros", torch.zeros)
+ones = _filled("ones", torch.ones)
+empty = _filled("empty", torch.empty)
+rand = _random("rand", torch.rand)
+randn = _random("randn", torch.randn)
 
 
 def full(
@@ -66,13 +116,6 @@ def full(
     """A global value of shape ``size`` filled with ``fill_value``, materializing only shards."""
     shape = tuple(size)
     layout = layout_for(mesh, placements, len(shape), "fd.full")
-    make = lambda s: torch.full(s, fill_value, dtype=dtype, device=layout.mesh.device_type)  # noqa: E731
-    if layout.mesh.backend == "simulated":
-        storage = simulated.materialize(layout, shape, make)
-    else:
-        from ._backends import distributed_storage
-
-        storage = distributed_storage.materialize(layout, distributed_storage.local_shape(layout, shape), make)
+    device = layout.mesh.device_type
+    storage = _build(layout, shape, lambda s, shard: torch.full(s, fill_value, dtype=dtype, device=device))
     return DTensor(storage.requires_grad_(requires_grad), layout, shape)
-
-

@@ -71,8 +71,6 @@ class _Redistribute(torch.autograd.Function):
     """Storage in one layout -> storage in another. Backward: the cotangent, laid out like the
     result, redistributed to the source layout (Partial axes as Replicate)."""
 
-    generate_vmap_rule = True
-
     @staticmethod
     def forward(storage, source, target, shape):
         index = _plan_index(_key(source), _key(target), shape, storage.element_size())
@@ -83,6 +81,12 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         _, ctx.source, ctx.target, ctx.shape = inputs
+
+    @staticmethod
+    def vmap(info, in_dims, storage, source, target, shape):
+        # a mapped batch becomes one more trailing dim of the value, whole on every device
+        moved = storage.movedim(in_dims[0], -1)
+        return autograd.apply(_Redistribute, moved, source, target, (*shape, moved.shape[-1])), -1
 
     @staticmethod
     def backward(ctx, g):

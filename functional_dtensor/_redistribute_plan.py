@@ -19,8 +19,8 @@ step                what it does                           bytes received per de
                     on two axes of equal size               the diagonal, a broadcast from it
 ``Slice``           Replicate -> Shard(d): a local slice    0
 ``Partition``       Replicate -> Partial: local             0
-``Regather``        any -> any, uneven shards: assemble     the value, less the own block
-                    the value, keep the target block
+``Regather``        any -> any, uneven shards: assemble     ``2 (p-1)/p b + (s-1) b`` (padded
+                    the value, keep the target block       blocks, ``p`` partial, ``s`` shard)
 ==================  =====================================  ======================================
 
 (``k``: the number of devices in the step's group, ``b``: the bytes of a device's block before
@@ -164,9 +164,11 @@ def step_bytes(step: Step, shape: tuple[int, ...], itemsize: int) -> int:
         return b
     if isinstance(step, ReduceBroadcast):
         return (step.source.mesh.shape[step.axes[0]] - 1) * b
-    if isinstance(step, Regather):
-        whole = math.prod(shape) * itemsize
-        return whole - min(b, whole) if not step.source.has_partial else whole
+    if isinstance(step, Regather):  # what it runs: padded blocks all-reduced, then all-gathered
+        mesh, placements = step.source.mesh, step.source.placements
+        partial = math.prod([mesh.shape[a] for a, p in enumerate(placements) if isinstance(p, Partial)])
+        sharded = math.prod([mesh.shape[a] for a, p in enumerate(placements) if isinstance(p, Shard)])
+        return 2 * (partial - 1) * b // partial + (sharded - 1) * b
     return 0
 
 
@@ -179,7 +181,7 @@ def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize
     reduced = [
         a
         for a, (p, q) in enumerate(zip(source.placements, target.placements))
-        if isinstance(p, Partial) and p != q
+        if isinstance(p, Partial) and p != q and mesh.shape[a] > 1
     ]
     src, dst = shard_table(source, shape), shard_table(target, shape)
     need = 0

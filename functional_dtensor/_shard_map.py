@@ -333,8 +333,6 @@ class _SumOverReplicas(torch.autograd.Function):
     """Identity forward; backward sums the cotangent over the replicated mesh axes (used when
     replication is not tracked, so each replica's cotangent is only its own contribution)."""
 
-    generate_vmap_rule = True
-
     @staticmethod
     def forward(storage, layout):
         return storage
@@ -342,6 +340,11 @@ class _SumOverReplicas(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.layout = inputs[1]
+
+    @staticmethod
+    def vmap(info, in_dims, storage, layout):
+        # a mapped batch becomes one more trailing dim of the local values
+        return autograd.apply(_SumOverReplicas, storage.movedim(in_dims[0], -1), layout), -1
 
     @staticmethod
     def backward(ctx, g):

@@ -574,12 +574,6 @@ def job_sharded_rand(seed: int) -> torch.Tensor:
     return fd.rand((8,), mesh=_gloo_mesh((2,), ("x",)), placements=(S(0),)).full_tensor()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: distributed_storage.materialize draws each rank's shard from the rank's "
-    "own generator, so with equally seeded ranks every shard of fd.rand/randn is the same block "
-    "(the simulated backend and DTensor draw distinct blocks of one global value)",
-)
 def test_sharded_rand_draws_distinct_blocks(gloo):  # noqa: F811
     for full in gloo.run(2, job_sharded_rand, 0):
         assert not torch.equal(full[:4], full[4:]), f"both shards hold {full[:4]}"
@@ -595,13 +589,6 @@ def job_integer_partial_avg():
         return f"{type(e).__name__}: {e}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: full_tensor of an integer Partial('avg') value fails on gloo (the "
-    "simulated backend gives the value back): distributed_storage.full_tensor all-reduces with "
-    "ReduceOp.AVG, which gloo computes in float ('result type Float can't be cast to the desired "
-    "output type Long'), and _c10d reports it as a CommunicationError saying a rank did not join",
-)
 def test_integer_partial_avg_round_trip(gloo):  # noqa: F811
     sim = fd.distribute_tensor(torch.tensor([5, 2, -4]), fd.simulated_mesh(2, "x"), (Pa("avg"),))
     assert torch.equal(sim.full_tensor(), torch.tensor([5, 2, -4]))
@@ -768,16 +755,6 @@ def job_vmap_full_tensor():
         return traceback.format_exc()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: DTensor.full_tensor() does not work under torch.func.vmap on the "
-    "distributed backend: _FullTensor (generate_vmap_rule=True) runs "
-    "distributed_storage.full_tensor -> distributed_collectives.all_gather on a batched tensor, "
-    "and functorch has no batching rule for the collective (eager c10d: 'Batching rule not "
-    "implemented for c10d::_allgather_base_', wrapped as a CommunicationError; functional "
-    "collectives: the fallback stacks the outputs before the wait, uninitialized memory). "
-    "Collectives inside shard_map are fine under vmap: they have their own rule",
-)
 def test_vmap_of_full_tensor_on_gloo(gloo):  # noqa: F811
     for rank, got in enumerate(gloo.run(2, job_vmap_full_tensor)):
         assert isinstance(got, torch.Tensor), f"rank {rank}:\n{got}"
@@ -836,14 +813,6 @@ def test_compile_aot_eager_on_gloo(name, gloo):  # noqa: F811
     check_compiled(gloo.run(2, job_compile, "aot_eager", name, timeout=300))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: distributed_collectives._mesh_positions builds the group order with "
-    "torch.arange(...).permute(...).tolist(); under dynamo .tolist() gives data-dependent "
-    "symbols, and permute() indexes a list with one ('Could not extract specialized integer "
-    "from data-dependent expression u1' at distributed_collectives.py permute: "
-    "send[to_mesh[dst]] = numel), so ppermute cannot be compiled",
-)
 def test_compile_ppermute_on_gloo(gloo):  # noqa: F811
     check_compiled(gloo.run(2, job_compile, "aot_eager", "ppermute ring", timeout=300))
 
@@ -923,14 +892,6 @@ def job_sub_mesh_groups() -> list[list[int]]:
     return [sub.device_ids, calls]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: distributed.group/torch_mesh build a new torch DeviceMesh for a sub-mesh "
-    "(mesh['y']) on its own ranks only, so each sub-mesh's ranks call dist.new_group with "
-    "different ranks; new_group must be called by every rank with the same ranks in the same "
-    "order (observed: shard_map on mesh['y'] of a 2x2 gloo mesh hangs on ranks 2 and 3 until "
-    "the collective timeout). The sub-mesh's groups exist already: the parent mesh's axis groups",
-)
 def test_sub_mesh_groups_are_created_consistently(gloo):  # noqa: F811
     answers = gloo.run(4, job_sub_mesh_groups)
     for rank, (ids, _) in enumerate(answers):
@@ -967,13 +928,6 @@ def job_run_check_mixed() -> str:
     return "no error"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: distributed_storage.check_local checks the Replicate axes one at a time "
-    "and raises at the first mismatch; ranks whose group along that axis agrees go on to the next "
-    "axis's all_reduce, which the raising ranks never join, so they hang until the collective "
-    "timeout instead of raising LayoutError",
-)
 def test_from_local_run_check_raises_on_every_rank(gloo):  # noqa: F811
     try:
         answers = gloo.run(4, job_run_check_mixed, timeout=3)

@@ -188,3 +188,10 @@ def test_plans_are_the_same_in_every_process():
         for seed in (1, 2)
     }
     assert len(outputs) == 1
+
+
+@given(pairs())
+def test_reported_bytes_are_never_below_the_lower_bound(pair):
+    case, target = pair
+    report = fd.explain_redistribute(case.layout, target, case.global_shape, show=False)
+    assert report.total_bytes >= report.lower_bound

@@ -61,16 +61,35 @@ def init_device_mesh(
 
 
 def torch_mesh(mesh: DeviceMesh):
-    """The ``torch.distributed.DeviceMesh`` with the same ranks and axis names."""
+    """The ``torch.distributed.DeviceMesh`` with the same ranks and axis names. A sub-mesh
+    (``mesh["tp"]``) is sliced from the mesh it came from, whose groups every rank created
+    together: ranks must never create groups on their own."""
     found = _torch_meshes.get(mesh)
     if found is None:
         _check_initialized(mesh)
         from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
-        ids = torch.tensor(mesh.device_ids, dtype=torch.int).reshape(mesh.shape)
-        found = _torch_meshes[mesh] = TorchMesh(
-            mesh.device_type.split(":")[0], ids, mesh_dim_names=mesh.axis_names
-        )
+        for root, root_torch_mesh in list(_torch_meshes.items()):
+            if set(mesh.axis_names) <= set(root.axis_names) and set(mesh.device_ids) <= set(root.device_ids):
+                names = tuple(sorted(mesh.axis_names, key=root.axis_position))
+                if names != mesh.axis_names:
+                    break  # a sub-mesh with reordered axes: not sliceable from the root
+                found = root_torch_mesh[names]
+                break
+        else:
+            ids = torch.tensor(mesh.device_ids, dtype=torch.int).reshape(mesh.shape)
+            found = TorchMesh(mesh.device_type.split(":")[0], ids, mesh_dim_names=mesh.axis_names)
+        if found is None:
+            raise MeshError(
+                explain(
+                    "fd distributed backend",
+                    "a sub-mesh keeps the axis order of the mesh it comes from",
+                    expected=f"axes in the order {tuple(sorted(mesh.axis_names))}",
+                    got=repr(mesh.axis_names),
+                    fix="slice the mesh with its axes in mesh order",
+                )
+            )
+        _torch_meshes[mesh] = found
     return found
 
 

@@ -10,6 +10,8 @@ order the names were given (major first), as on the simulated backend.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -27,10 +29,17 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+_LOST_PEER = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe")
+
+
 def _c10d(collective, *args, group, **kwargs) -> None:
     try:
         collective(*args, group=group, **kwargs)
-    except RuntimeError as error:  # gloo/NCCL failures and timeouts (DistBackendError included)
+    except RuntimeError as error:
+        if not isinstance(error, dist.DistBackendError) and not any(
+            word in str(error).lower() for word in _LOST_PEER
+        ):
+            raise
         raise CommunicationError(
             explain(
                 f"fd collective ({collective.__name__} over {dist.get_world_size(group)} ranks)",
@@ -44,6 +53,9 @@ def _c10d(collective, *args, group, **kwargs) -> None:
 
 
 def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
+    if op == "avg" and not (x.is_floating_point() or x.is_complex()):
+        # integer averages round down, as on the simulated backend (gloo averages in float)
+        return _all_reduce(x, "sum", group).div(dist.get_world_size(group), rounding_mode="floor")
     if torch.compiler.is_compiling():
         return _wait(funcol.all_reduce(x, op, group))
     out = x.clone(memory_format=torch.contiguous_format)
@@ -178,8 +190,17 @@ def permute(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tupl
 def _mesh_positions(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[int]:
     """For each index in given order, the index of the same device in the group (mesh order)."""
     sizes, perm = _group_order(mesh, axes)
-    index = torch.arange(len(sizes) and int(torch.tensor(sizes).prod())).reshape(sizes)
-    return index.permute(*perm).reshape(-1).tolist()
+    given_sizes = [sizes[p] for p in perm]
+    positions = []
+    for index in range(math.prod(sizes)):
+        coordinate = [0] * len(sizes)  # in mesh order
+        for p, size in zip(reversed(perm), reversed(given_sizes)):
+            index, coordinate[p] = divmod(index, size)
+        flat = 0
+        for c, size in zip(coordinate, sizes):
+            flat = flat * size + c
+        positions.append(flat)
+    return positions
 
 
 def axis_index(mesh: DeviceMesh, axes: tuple[str, ...], device: str) -> torch.Tensor:

@@ -74,28 +74,46 @@ def check_local(local: torch.Tensor, layout: Layout, global_shape, *, run_check:
             )
         )
     if run_check:
+        # every rank runs the same collectives, then all agree on the verdict: a rank must
+        # not raise while the others wait for it in a collective
         mesh = layout.mesh
-        for axis, placement in enumerate(layout.placements):
-            if placement.is_replicate():
-                name = (mesh.axis_names[axis],)
-                low = comm.all_reduce(local, mesh, name, "min")
-                high = comm.all_reduce(local, mesh, name, "max")
-                if not (torch.equal(low, local) and torch.equal(high, local)):
-                    raise LayoutError(
-                        explain(
-                            f"{where}(local_tensor)",
-                            f"shards differ along mesh axis {name[0]!r}, placed Replicate",
-                            expected="equal shards on every rank of a Replicate axis",
-                            got="different values",
-                            fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
-                        )
-                    )
+        names = [n for n, p in zip(mesh.axis_names, layout.placements) if p.is_replicate()]
+        differs = []
+        for name in names:
+            low = comm.all_reduce(local, mesh, (name,), "min")
+            high = comm.all_reduce(local, mesh, (name,), "max")
+            differs.append(not (torch.equal(low, local) and torch.equal(high, local)))
+        flags = torch.tensor([float(d) for d in differs])
+        if names:
+            flags = comm.all_reduce(flags, mesh, mesh.axis_names, "max")
+        bad = [n for n, flag in zip(names, flags.tolist()) if flag]
+        if bad:
+            raise LayoutError(
+                explain(
+                    f"{where}(local_tensor)",
+                    f"shards differ along mesh axis {bad[0]!r}, placed Replicate",
+                    expected="equal shards on every rank of a Replicate axis",
+                    got="different values",
+                    fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
+                )
+            )
     return local
 
 
-def materialize(layout: Layout, shape: tuple[int, ...], make) -> torch.Tensor:
-    """This rank's shard drawn by ``make(shape)``, Partial axes partitioned."""
-    block = make(shape)
+def shard_index(layout: Layout) -> int:
+    """This rank's distinct shard: its flat (row-major) coordinate over the splitting axes."""
+    mesh = layout.mesh
+    index = 0
+    for axis, c in enumerate(distributed.coordinate(mesh)):
+        if isinstance(layout.placements[axis], Shard):
+            index = index * mesh.shape[axis] + c
+    return index
+
+
+def materialize(layout: Layout, global_shape: tuple[int, ...], padded_block: torch.Tensor) -> torch.Tensor:
+    """This rank's shard from its block padded to the largest shard, Partial axes partitioned."""
+    table = shard_table(layout, tuple(global_shape))
+    block = padded_block[tuple(slice(0, s) for s in table.local_shapes[_my_device(layout)])]
     coordinate = layout.mesh.coordinate(_my_device(layout))
     for axis, placement in enumerate(layout.placements):
         if isinstance(placement, Partial) and placement.op == "sum":

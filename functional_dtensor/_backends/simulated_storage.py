@@ -20,7 +20,7 @@ from .._layout import Layout
 from .._placements import Partial, Shard
 from .._sharding import shard_table
 
-__all__ = ["stack", "unstack", "assemble", "shard", "from_shards", "reduce_partial", "materialize"]
+__all__ = ["stack", "unstack", "assemble", "shard", "from_shards", "reduce_partial", "distinct_shards", "materialize"]
 
 
 def stack(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -172,13 +172,19 @@ def _scatter_uneven(blocks: torch.Tensor, layout: Layout, global_shape) -> torch
 
 
 
-def materialize(layout: Layout, global_shape: tuple[int, ...], make) -> torch.Tensor:
-    """Stacked shards drawn by ``make(shape)`` once per distinct shard (replicas share theirs),
-    with padding zeroed and Partial axes partitioned as :func:`stack` does."""
+def distinct_shards(layout: Layout, global_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sizes of the mesh axes that split the value (1 for the others) and the padded shard
+    shape: ``(*sizes, *padded)`` holds one block per distinct shard, replicas sharing theirs."""
+    sizes = tuple(layout.mesh.shape[a] if isinstance(p, Shard) else 1 for a, p in enumerate(layout.placements))
+    return sizes, shard_table(layout, global_shape).padded_shape
+
+
+def materialize(layout: Layout, global_shape: tuple[int, ...], blocks: torch.Tensor) -> torch.Tensor:
+    """Storage from ``blocks`` of shape :func:`distinct_shards` (one per distinct shard), with
+    padding zeroed and Partial axes partitioned as :func:`stack` does."""
     mesh = layout.mesh
     table = shard_table(layout, global_shape)
-    sizes = [mesh.shape[a] if isinstance(p, Shard) else 1 for a, p in enumerate(layout.placements)]
-    blocks = make((*sizes, *table.padded_shape)).expand(*mesh.shape, *table.padded_shape)
+    blocks = blocks.expand(*mesh.shape, *table.padded_shape)
     blocks = _partition_partial(blocks, layout).reshape(mesh.size, *table.padded_shape)
     if not table.is_even:
         blocks = blocks * _valid_mask(layout, global_shape, str(blocks.device))
