@@ -6,6 +6,7 @@ same program runs on the simulated backend (every device in one process) and on
 ``torch.distributed``.
 """
 
+from ._backends.distributed import init_device_mesh
 from ._collectives import (
     all_gather,
     all_to_all,
@@ -31,12 +32,11 @@ from ._errors import (
     ShapeError,
     SpecError,
 )
+from ._explain import PlanReport, explain_redistribute
 from ._factories import empty, full, ones, rand, randn, zeros
 from ._layout import Layout
-from ._backends.distributed import init_device_mesh
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
-from ._explain import PlanReport, explain_redistribute
 from ._redistribute import redistribute
 from ._shard_map import shard_map
 from ._spec import P

@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 import torch
 from torch._C._functorch import (
@@ -37,7 +38,6 @@ from torch._C._functorch import (
     maybe_current_level,
     maybe_get_level,
 )
-
 from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
 from . import _autograd as autograd
@@ -236,7 +236,9 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
         return autograd.apply(_Collective, x, op, False)
 
 
-def on_storage(storage: torch.Tensor, mesh, op_type: type[_Op], axes: tuple[str, ...], **params) -> torch.Tensor:
+def on_storage(
+    storage: torch.Tensor, mesh, op_type: type[_Op], axes: tuple[str, ...], **params
+) -> torch.Tensor:
     """Run a collective on a global value's storage, outside any shard_map: the stacked shards
     on the simulated backend, this rank's shard on the distributed one."""
     op = op_type(Frame(mesh, False, None), axes, **params)
@@ -622,9 +624,11 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     size = frame.mesh.axis_size(axes)
     pairs = tuple((int(s), int(d)) for s, d in perm)
     sources, targets = [s for s, _ in pairs], [d for _, d in pairs]
-    if any(not 0 <= i < size for i in sources + targets) or len(set(sources)) < len(sources) or len(
-        set(targets)
-    ) < len(targets):
+    if (
+        any(not 0 <= i < size for i in sources + targets)
+        or len(set(sources)) < len(sources)
+        or len(set(targets)) < len(targets)
+    ):
         raise ShapeError(
             explain(
                 f"{where}(perm)",

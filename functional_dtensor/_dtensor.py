@@ -19,7 +19,7 @@ True
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -103,7 +103,7 @@ class DTensor:
         """The shards this process holds, unpadded: on the simulated backend one per device, in
         flat (row-major) mesh order; on the distributed backend, this rank's alone."""
         if self.device_mesh.backend == "simulated":
-            return tuple(self.to_local(device=k) for k in range(self.device_mesh.size))
+            return tuple([self.to_local(device=k) for k in range(self.device_mesh.size)])
         return (self._storage,)
 
     def to_local(self, device: int | Sequence[int] | None = None) -> torch.Tensor:
@@ -166,7 +166,7 @@ def _global_of(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) ->
 
 
 def _without_partial(layout: Layout) -> Layout:
-    return Layout(layout.mesh, tuple(Replicate() if p.is_partial() else p for p in layout.placements))
+    return Layout(layout.mesh, tuple([Replicate() if p.is_partial() else p for p in layout.placements]))
 
 
 class _Distribute(torch.autograd.Function):
@@ -223,7 +223,7 @@ def _device_index(mesh: DeviceMesh, device, where: str) -> int:
     if (
         isinstance(device, (tuple, list))
         and len(device) == mesh.ndim
-        and all(isinstance(c, int) and 0 <= c < s for c, s in zip(device, mesh.shape))
+        and all([isinstance(c, int) and 0 <= c < s for c, s in zip(device, mesh.shape)])
     ):
         return mesh.flat_index(device)
     raise InputTypeError(

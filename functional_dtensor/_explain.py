@@ -101,7 +101,13 @@ def explain_redistribute(
     steps = plan(source, destination, shape, itemsize)
     costs = tuple(step_bytes(s, shape, itemsize) for s in steps)
     report = PlanReport(
-        source, destination, shape, steps, costs, sum(costs), lower_bound(source, destination, shape, itemsize)
+        source,
+        destination,
+        shape,
+        steps,
+        costs,
+        sum(costs),
+        lower_bound(source, destination, shape, itemsize),
     )
     if show:
         from rich.console import Console

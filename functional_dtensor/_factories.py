@@ -13,7 +13,7 @@ torch.Size([2, 2])
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,10 +26,14 @@ __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
 
 
 def _shape(size) -> tuple[int, ...]:
-    return tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    return (
+        tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    )
 
 
-def _build(layout: Layout, shape: tuple[int, ...], blocks: Callable[[tuple[int, ...], int | None], torch.Tensor]):
+def _build(
+    layout: Layout, shape: tuple[int, ...], blocks: Callable[[tuple[int, ...], int | None], torch.Tensor]
+):
     """Storage from ``blocks(block_shape, shard)``: the padded blocks of the distinct shard
     ``shard`` (``None``: of every distinct shard, stacked)."""
     sizes, padded = simulated.distinct_shards(layout, shape)
@@ -56,7 +60,9 @@ def _filled(name: str, fill: Callable[..., torch.Tensor]):
         return DTensor(storage.requires_grad_(requires_grad), layout, shape)
 
     factory.__name__ = factory.__qualname__ = name
-    factory.__doc__ = f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards."
+    factory.__doc__ = (
+        f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards."
+    )
     return factory
 
 

@@ -20,8 +20,9 @@ P(('x', 'y'))
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TypeAlias
+from typing import TypeAlias
 
 from ._errors import InputTypeError, LayoutError, MeshError, explain
 from ._mesh import DeviceMesh
@@ -84,7 +85,7 @@ class Layout:
                     )
                 positions.append(mesh.axis_names.index(name))
             if positions != sorted(positions):
-                in_order = tuple(mesh.axis_names[p] for p in sorted(positions))
+                in_order = tuple([mesh.axis_names[p] for p in sorted(positions)])
                 raise LayoutError(
                     explain(
                         f"{where}(spec[{dim}])",
@@ -131,15 +132,15 @@ class Layout:
 
     def sharding_axes(self, dim: int) -> tuple[int, ...]:
         """The positions of the mesh axes that split tensor dim ``dim``, major first."""
-        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+        return tuple([a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim])
 
     @property
     def is_replicated(self) -> bool:
-        return all(isinstance(p, Replicate) for p in self.placements)
+        return all([isinstance(p, Replicate) for p in self.placements])
 
     @property
     def has_partial(self) -> bool:
-        return any(isinstance(p, Partial) for p in self.placements)
+        return any([isinstance(p, Partial) for p in self.placements])
 
     def normalized(self, ndim: int, *, where: str = "fd.Layout") -> Layout:
         """This layout with negative Shard dims counted from the end of an ``ndim``-d tensor."""

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, TypeAlias
+from typing import Literal, TypeAlias
 
 from ._errors import InputTypeError, MeshError, explain
 

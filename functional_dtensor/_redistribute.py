@@ -105,15 +105,19 @@ _PLAN_INDEX: dict[tuple[Step, ...], int] = {}
 def _key(layout: Layout) -> tuple:
     mesh = layout.mesh
     placements = tuple(
-        ("S", p.dim) if isinstance(p, Shard) else ("P", p.op) if isinstance(p, Partial) else ("R",)
-        for p in layout.placements
+        [
+            ("S", p.dim) if isinstance(p, Shard) else ("P", p.op) if isinstance(p, Partial) else ("R",)
+            for p in layout.placements
+        ]
     )
     return (mesh.shape, mesh.axis_names, mesh.device_type, mesh.backend, mesh.device_ids, placements)
 
 
 def _layout(key: tuple) -> Layout:
     shape, names, device_type, backend, ids, placements = key
-    rebuilt = [Shard(v[1]) if v[0] == "S" else Partial(v[1]) if v[0] == "P" else Replicate() for v in placements]
+    rebuilt = [
+        Shard(v[1]) if v[0] == "S" else Partial(v[1]) if v[0] == "P" else Replicate() for v in placements
+    ]
     return Layout(DeviceMesh(shape, names, device_type, backend, ids), tuple(rebuilt))
 
 
@@ -152,7 +156,7 @@ def run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return ops.all_to_all(x, mesh, names, step.split, step.concat, True)
     if isinstance(step, Swap):
         k = mesh.shape[step.axes[0]]
-        pairs = tuple((i * k + j, j * k + i) for i in range(k) for j in range(k))  # the diagonal stays
+        pairs = tuple([(i * k + j, j * k + i) for i in range(k) for j in range(k)])  # the diagonal stays
         return ops.permute(x, mesh, names, pairs)
     if isinstance(step, ReduceBroadcast):
         return _reduce_broadcast(x, step, simulated)
@@ -175,7 +179,7 @@ def _merge_blocks(gathered: torch.Tensor, step: AllGather, lead: int) -> torch.T
     for dim in range(len(local)):
         parts = [i for i, a in enumerate(step.axes) if step.source.placements[a] == Shard(dim)]
         order += [lead + i for i in parts] + [first_local + dim]
-        shape.append(local[dim] * math.prod(sizes[i] for i in parts))
+        shape.append(local[dim] * math.prod([sizes[i] for i in parts]))
     return blocks.permute(order).reshape(shape)
 
 
@@ -221,7 +225,9 @@ def _reduce_broadcast(x: torch.Tensor, step: ReduceBroadcast, simulated: bool) -
         out = distributed_collectives.reduce(x, mesh, (mesh.axis_names[a],), mesh.flat_index(root))
         source = list(here)
         source[b] = here[a]  # the device of my row on the diagonal
-        out = distributed_collectives.broadcast(out, mesh, (mesh.axis_names[b],), mesh.flat_index(source))
+        out = distributed_collectives.broadcast(
+            out, mesh, (mesh.axis_names[b],), mesh.flat_index(source), donate=True
+        )
     return out / k if step.op == "avg" else out
 
 
@@ -233,9 +239,7 @@ def _regather(x: torch.Tensor, step: Regather, shape: tuple[int, ...]) -> torch.
         for name, placement in zip(mesh.axis_names, source.placements):
             if isinstance(placement, Partial):
                 comm_log.record("all_reduce", (name,), nbytes)
-        sharding = tuple(n for n, p in zip(mesh.axis_names, source.placements) if isinstance(p, Shard))
+        sharding = tuple([n for n, p in zip(mesh.axis_names, source.placements) if isinstance(p, Shard)])
         if sharding:
             comm_log.record("all_gather", sharding, nbytes)
     return _storage_of(_global_of(x, source, shape), target)
-
-

@@ -28,7 +28,8 @@ the step.) Plans are cached by value in a bounded cache.
 
 >>> import functional_dtensor as fd
 >>> mesh = fd.simulated_mesh((2, 2), ("x", "y"))
->>> steps = plan(fd.Layout(mesh, (fd.Shard(0), fd.Shard(1))), fd.Layout(mesh, (fd.Shard(1), fd.Shard(0))), (8, 8), 4)
+>>> rows_cols = fd.Layout(mesh, (fd.Shard(0), fd.Shard(1)))
+>>> steps = plan(rows_cols, fd.Layout(mesh, (fd.Shard(1), fd.Shard(0))), (8, 8), 4)
 >>> [str(s) for s in steps]
 ['ppermute(x, y)']
 """
@@ -76,11 +77,11 @@ class Step:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.source.mesh.axis_names[a] for a in self.axes)
+        return tuple([self.source.mesh.axis_names[a] for a in self.axes])
 
     @property
     def group_size(self) -> int:
-        return math.prod(self.source.mesh.shape[a] for a in self.axes)
+        return math.prod([self.source.mesh.shape[a] for a in self.axes])
 
     def __str__(self) -> str:
         name = self.collective or type(self).__name__.lower()
@@ -245,8 +246,11 @@ def _moves(placements: Placements, target: Placements, mesh, ndim: int):
             if op in ("sum", "avg"):
                 for dim in range(ndim):
                     if min(group) > max(_splitters(placements, dim), default=-1):
-                        yield ReduceScatter, group, {"dim": dim, "op": op}, _replace(
-                            placements, group, Shard(dim)
+                        yield (
+                            ReduceScatter,
+                            group,
+                            {"dim": dim, "op": op},
+                            _replace(placements, group, Shard(dim)),
                         )
     suffixes = []  # per dim: the groups of innermost axes that can be gathered
     for dim in range(ndim):
@@ -262,7 +266,12 @@ def _moves(placements: Placements, target: Placements, mesh, ndim: int):
             group = tuple(splitters[start:])
             for other in range(ndim):
                 if other != dim and min(group) > max(_splitters(placements, other), default=-1):
-                    yield AllToAll, group, {"split": other, "concat": dim}, _replace(placements, group, Shard(other))
+                    yield (
+                        AllToAll,
+                        group,
+                        {"split": other, "concat": dim},
+                        _replace(placements, group, Shard(other)),
+                    )
     replicated = [a for a in axes if isinstance(placements[a], Replicate)]
     for group in _subsets(replicated):
         for dim in range(ndim):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, TypeAlias, overload
+from collections.abc import Callable
+from typing import Any, TypeAlias, overload
 
 import optree
 import torch
@@ -26,7 +27,7 @@ from torch._C._functorch import maybe_current_level
 from . import _autograd as autograd
 from ._collectives import AllReduce, VaryUnbatched, on_devices, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
-from ._dtensor import DTensor, _Distribute, _check_mesh
+from ._dtensor import DTensor, _check_mesh, _Distribute
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
@@ -88,7 +89,9 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, check_rep=True):
                     )
                 )
     if f is None:
-        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_rep)
+        return functools.partial(
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_rep
+        )
 
     @functools.wraps(f)
     def mapped(*args):
@@ -141,7 +144,9 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
             )
         )
     full_specs = _broadcast(in_specs, args, "in_specs")
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(args, none_is_leaf=True, namespace=NAMESPACE)
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(
+        args, none_is_leaf=True, namespace=NAMESPACE
+    )
     spec_leaves = treedef.flatten_up_to(full_specs)
     storages, in_axes, in_dims = [], [], []
     for accessor, value, spec in zip(accessors, leaves, spec_leaves):
@@ -195,7 +200,7 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
     else:
         results = per_device(*storages)
     values = []
-    for storage, (spec, layout) in zip(results, out_layouts):
+    for storage, (_, layout) in zip(results, out_layouts):
         if layout is None:
             values.append(storage)
             continue
@@ -205,7 +210,9 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
             if isinstance(placement, Shard):
                 shape[placement.dim] *= mesh.shape[axis]
         if not check_rep:
-            replicas = math.prod([s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard)])
+            replicas = math.prod(
+                [s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard)]
+            )
             if replicas > 1:
                 storage = autograd.apply(_SplitCotangent, storage, replicas)
         values.append(DTensor(storage, layout, shape))
@@ -274,7 +281,9 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
 
 def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool):
     full_specs = _broadcast(out_specs, outputs, "out_specs")
-    accessors, leaves, tree = optree.tree_flatten_with_accessor(outputs, none_is_leaf=True, namespace=NAMESPACE)
+    accessors, leaves, tree = optree.tree_flatten_with_accessor(
+        outputs, none_is_leaf=True, namespace=NAMESPACE
+    )
     specs = tree.flatten_up_to(full_specs)
     flat, layouts = [], []
     for accessor, value, spec in zip(accessors, leaves, specs):

@@ -65,7 +65,7 @@ def shard_table(layout: Layout, global_shape: tuple[int, ...]) -> ShardTable:
         shapes.append(tuple(shape))
         offsets.append(tuple(offset))
     padded = tuple(max(s[d] for s in shapes) for d in range(len(global_shape)))
-    is_even = all(s == padded for s in shapes)
+    is_even = all([s == padded for s in shapes])
     return ShardTable(tuple(shapes), tuple(offsets), padded, is_even)
 
 
@@ -84,7 +84,7 @@ def check_divisible(layout: Layout, global_shape: tuple[int, ...], *, where: str
         axes = layout.sharding_axes(dim)
         parts = math.prod([layout.mesh.shape[a] for a in axes])
         if size % parts:
-            names = tuple(layout.mesh.axis_names[a] for a in axes)
+            names = tuple([layout.mesh.axis_names[a] for a in axes])
             multiple = -(-size // parts) * parts
             raise ShapeError(
                 explain(

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-
 from torch._C._functorch import maybe_current_level, maybe_get_level
+from torch.overrides import TorchFunctionMode
 
 from ._collectives import on_devices, pvary
 from ._context import Frame
@@ -83,8 +82,7 @@ class ReplicationTracker(TorchFunctionMode):
             raise FunctionalDTensorError(
                 explain(
                     "fd.shard_map(check_rep=True)",
-                    "replication is not tracked through torch.func transforms inside the "
-                    "per-device function",
+                    "replication is not tracked through torch.func transforms inside the per-device function",
                     expected="torch.func.vmap/grad/vjp applied to the shard_map'd function",
                     got=f"{getattr(func, '__name__', func)} run under a transform inside it",
                     fix="pass check_rep=False, or apply the transform outside shard_map",

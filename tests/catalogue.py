@@ -9,8 +9,8 @@ collectives its forward runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -57,10 +57,42 @@ def cases(mesh: fd.DeviceMesh, A: tuple[str, ...], m: int = 2) -> list[Case]:
             lambda x: torch.sin(x) * 2 + 1,
         ),
         Case("local matmul", lambda x, w: x @ w, (S, R), S, ((N * m, 3), (3, 2)), lambda x, w: x @ w),
-        Case("psum", lambda x: fd.psum(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).sum(0), {"all_reduce": 1}),
-        Case("pmean", lambda x: fd.pmean(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).mean(0), {"all_reduce": 1}),
-        Case("pmax", lambda x: fd.pmax(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).amax(0), {"all_reduce": 1}),
-        Case("pmin", lambda x: fd.pmin(x, A), (S,), R, ((N * m, 2),), lambda x: blocks(x, N).amin(0), {"all_reduce": 1}),
+        Case(
+            "psum",
+            lambda x: fd.psum(x, A),
+            (S,),
+            R,
+            ((N * m, 2),),
+            lambda x: blocks(x, N).sum(0),
+            {"all_reduce": 1},
+        ),
+        Case(
+            "pmean",
+            lambda x: fd.pmean(x, A),
+            (S,),
+            R,
+            ((N * m, 2),),
+            lambda x: blocks(x, N).mean(0),
+            {"all_reduce": 1},
+        ),
+        Case(
+            "pmax",
+            lambda x: fd.pmax(x, A),
+            (S,),
+            R,
+            ((N * m, 2),),
+            lambda x: blocks(x, N).amax(0),
+            {"all_reduce": 1},
+        ),
+        Case(
+            "pmin",
+            lambda x: fd.pmin(x, A),
+            (S,),
+            R,
+            ((N * m, 2),),
+            lambda x: blocks(x, N).amin(0),
+            {"all_reduce": 1},
+        ),
         Case(
             "psum of replicated",
             lambda x: fd.psum(x, A),
@@ -140,9 +172,11 @@ def cases(mesh: fd.DeviceMesh, A: tuple[str, ...], m: int = 2) -> list[Case]:
             (S,),
             S,
             ((N * m, 2),),
-            lambda x: torch.cat([torch.zeros_like(blocks(x, N)[1:]), blocks(x, N)[:1]]).reshape(N * m, 2)
-            if N > 1
-            else x,
+            lambda x: (
+                torch.cat([torch.zeros_like(blocks(x, N)[1:]), blocks(x, N)[:1]]).reshape(N * m, 2)
+                if N > 1
+                else x
+            ),
             {"ppermute": 1},
         ),
         Case(

@@ -26,7 +26,11 @@ def test_pass_through_argument_and_module_parameters(check_rep):
     scale = torch.tensor(1.5, requires_grad=True)
     x = torch.randn(8, 3)
     f = fd.shard_map(
-        lambda v, k: layer(v) * k, mesh=mesh, in_specs=(fd.P("x"), None), out_specs=fd.P("x"), check_rep=check_rep
+        lambda v, k: layer(v) * k,
+        mesh=mesh,
+        in_specs=(fd.P("x"), None),
+        out_specs=fd.P("x"),
+        check_rep=check_rep,
     )
     got = torch.autograd.grad(f(x, scale).full_tensor().square().sum(), (layer.weight, layer.bias, scale))
     want = torch.autograd.grad((layer(x) * scale).square().sum(), (layer.weight, layer.bias, scale))
@@ -45,7 +49,9 @@ def test_replicated_output_computed_from_a_closure(check_rep):
 def test_function_without_tensor_inputs():
     f = fd.shard_map(lambda: fd.axis_index("x").reshape(1), mesh=mesh, in_specs=(), out_specs=fd.P("x"))
     assert f().full_tensor().tolist() == [0, 1, 2, 3]
-    g = fd.shard_map(lambda k: torch.full((1,), k) + fd.axis_index("x"), mesh=mesh, in_specs=None, out_specs=fd.P("x"))
+    g = fd.shard_map(
+        lambda k: torch.full((1,), k) + fd.axis_index("x"), mesh=mesh, in_specs=None, out_specs=fd.P("x")
+    )
     assert g(10).full_tensor().tolist() == [10, 11, 12, 13]
 
 

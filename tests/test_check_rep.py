@@ -19,7 +19,9 @@ def varying_of(f, in_specs=fd.P("x"), shape=(4, 4)):
         seen["axes"] = axes_varying(out)
         return out * 0
 
-    fd.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=fd.P("x", "y"), check_rep=True)(torch.ones(shape))
+    fd.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=fd.P("x", "y"), check_rep=True)(
+        torch.ones(shape)
+    )
     return seen["axes"]
 
 

@@ -435,7 +435,7 @@ REDISTRIBUTIONS = {
 
 
 # the planner's catalogue, on even shapes: every step kind runs on gloo
-for key, mesh_size in (("2", 2), ("4", 4)):
+for key in ("2", "4"):
     REDISTRIBUTIONS.setdefault(key, [])
     REDISTRIBUTIONS[key] += [
         ((8, 8), (S(0),), (R(),), "float64"),
@@ -841,6 +841,45 @@ def test_compile_aot_eager_on_gloo(name, gloo):  # noqa: F811
 
 def test_compile_ppermute_on_gloo(gloo):  # noqa: F811
     check_compiled(gloo.run(2, job_compile, "aot_eager", "ppermute ring", timeout=300))
+
+
+def job_compile_redistribute(shape: tuple[int, ...], source, target) -> dict:
+    """Eager vs compiled (aot_eager, fullgraph) fd.redistribute of local shards, forward and
+    backward; errors returned, as in :func:`job_compile`."""
+    torch._dynamo.reset()
+    mesh = _gloo_mesh(shape, ("x", "y")[: len(shape)])
+    value = torch.arange(64.0).reshape(8, 8)
+
+    def step(local):
+        moved = fd.redistribute(fd.from_local(local, mesh, source, shape=(8, 8)), target)
+        return moved.to_local()
+
+    local = fd.distribute_tensor(value, mesh, source).to_local().detach().requires_grad_()
+    eager = step(local)
+    (eager_grad,) = torch.autograd.grad(eager, local, torch.ones_like(eager))
+    try:
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        got = compiled(local)
+        (got_grad,) = torch.autograd.grad(got, local, torch.ones_like(got))
+    except Exception:
+        return {"error": traceback.format_exc()}
+    return {
+        "eager": eager.detach(),
+        "compiled": got.detach(),
+        "eager_grad": eager_grad,
+        "compiled_grad": got_grad,
+    }
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    [((S(0), S(1)), (S(1), S(0))), ((Pa("sum"), S(0)), (S(0), R())), ((S(0), R()), (R(), R()))],
+)
+def test_compile_redistribute_on_gloo(source, target, gloo):  # noqa: F811
+    for rank, got in enumerate(gloo.run(4, job_compile_redistribute, (2, 2), source, target, timeout=300)):
+        assert "error" not in got, f"rank {rank}: torch.compile failed:\n{got['error']}"
+        _close(got["compiled"], got["eager"], f"rank {rank}: compiled forward")
+        _close(got["compiled_grad"], got["eager_grad"], f"rank {rank}: compiled backward")
 
 
 @pytest.mark.slow

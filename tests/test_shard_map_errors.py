@@ -30,7 +30,14 @@ def test_spec_longer_than_rank_names_the_path():
 
 
 def test_indivisible_dim_gives_the_arithmetic_and_the_fix():
-    check(fd.ShapeError, ValueError, lambda: mapped()(torch.ones(5)), "5 = 2 * 2 + 1", "pad dim 0 to 6", "redistribute")
+    check(
+        fd.ShapeError,
+        ValueError,
+        lambda: mapped()(torch.ones(5)),
+        "5 = 2 * 2 + 1",
+        "pad dim 0 to 6",
+        "redistribute",
+    )
 
 
 def test_unknown_and_repeated_axis_names():
@@ -108,13 +115,16 @@ def test_collectives_over_axis_tuples_in_any_order():
     x = torch.arange(6.0)
     for axes in (("x", "y"), ("y", "x")):
         index = fd.shard_map(
-            lambda v: v * 0 + fd.axis_index(axes), mesh=mesh_xy, in_specs=fd.P(("x", "y")), out_specs=fd.P(("x", "y"))
+            lambda v, axes=axes: v * 0 + fd.axis_index(axes),
+            mesh=mesh_xy,
+            in_specs=fd.P(("x", "y")),
+            out_specs=fd.P(("x", "y")),
         )(x).full_tensor()
         # device (i, j) in mesh order; with ("y", "x") its index is j * 2 + i
         expected = [i * 3 + j if axes == ("x", "y") else j * 2 + i for i in range(2) for j in range(3)]
         assert index.tolist() == expected
         gathered = fd.shard_map(
-            lambda v: fd.all_gather(v, axes, tiled=True),
+            lambda v, axes=axes: fd.all_gather(v, axes, tiled=True),
             mesh=mesh_xy,
             in_specs=fd.P(("x", "y")),
             out_specs=fd.P(),

@@ -38,7 +38,9 @@ def pick(mesh, axes, name) -> Case:
 
 
 def run(case: Case, mesh, inputs):
-    mapped = fd.shard_map(case.f, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs, check_rep=case.check_rep)
+    mapped = fd.shard_map(
+        case.f, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs, check_rep=case.check_rep
+    )
     return mapped(*inputs)
 
 
@@ -73,7 +75,9 @@ def test_gradients_match_single_device_autograd(mesh_axes, name, unchecked):
     want = torch.autograd.grad(expected, inputs, cotangent, allow_unused=True)
     got = torch.autograd.grad(run(case, mesh, inputs).full_tensor(), inputs, cotangent, allow_unused=True)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g if g is not None else torch.zeros_like(w), w if w is not None else torch.zeros_like(g))
+        torch.testing.assert_close(
+            g if g is not None else torch.zeros_like(w), w if w is not None else torch.zeros_like(g)
+        )
 
 
 @given(mesh_and_axes(max_devices=8), st.sampled_from(CASE_NAMES))
@@ -108,7 +112,9 @@ def test_user_vmap_inside_the_per_device_function(mesh_axes, name):
     batched = Case(
         **{
             **case.__dict__,
-            "f": lambda *a: torch.func.vmap(lambda s: case.f(*a) * s)(torch.tensor([1.0, -2.0], dtype=torch.float64)),
+            "f": lambda *a: torch.func.vmap(lambda s: case.f(*a) * s)(
+                torch.tensor([1.0, -2.0], dtype=torch.float64)
+            ),
             "out_specs": fd.P(None, *case.out_specs),
             "check_rep": False,  # replication is not tracked through transforms inside f
         }

@@ -11,7 +11,7 @@ import datetime
 import functools
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -22,7 +22,12 @@ from . import distributed
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "axis_index"]
 
-_C10D_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_C10D_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -37,7 +42,7 @@ def _c10d(collective, *args, group, **kwargs) -> None:
         collective(*args, group=group, **kwargs)
     except RuntimeError as error:
         if not isinstance(error, dist.DistBackendError) and not any(
-            word in str(error).lower() for word in _LOST_PEER
+            [word in str(error).lower() for word in _LOST_PEER]
         ):
             raise
         raise CommunicationError(
@@ -122,7 +127,9 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
     return _all_reduce(x, op, distributed.group(mesh, axes))
 
 
-def all_gather(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
+) -> torch.Tensor:
     group = distributed.group(mesh, axes)
     size = mesh.axis_size(axes)
     stacked = _all_gather(x, size, group)  # (size * x0, ...)
@@ -134,7 +141,9 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: in
     return gathered
 
 
-def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool) -> torch.Tensor:
+def reduce_scatter(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
+) -> torch.Tensor:
     group = distributed.group(mesh, axes)
     size = mesh.axis_size(axes)
     if tiled:
@@ -164,7 +173,9 @@ def all_to_all(
     return out
 
 
-def permute(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+def permute(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
     """Send to ``dst`` and receive from ``src`` for each pair (zeros where nothing arrives)."""
     group = distributed.group(mesh, axes)
     size = mesh.axis_size(axes)
@@ -218,11 +229,19 @@ def reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int) 
     return out
 
 
-def broadcast(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int) -> torch.Tensor:
-    """The value of the device at flat mesh index ``root``, on every device of the group."""
+def broadcast(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int, *, donate: bool = False
+) -> torch.Tensor:
+    """The value of the device at flat mesh index ``root``, on every device of the group
+    (``donate``: ``x`` is a private buffer and may be overwritten)."""
     group = distributed.group(mesh, axes)
     if torch.compiler.is_compiling():
-        return _wait(funcol.broadcast(x, mesh.device_ids[root], group))
-    out = x.contiguous().clone()
+        coordinate = mesh.coordinate(root)
+        group_rank = 0  # the root's rank within the group: its index along the axes, mesh order
+        for axis in sorted(axes, key=mesh.axis_position):
+            position = mesh.axis_position(axis)
+            group_rank = group_rank * mesh.shape[position] + coordinate[position]
+        return _wait(funcol.broadcast(x, group_rank, group))
+    out = x if donate and x.is_contiguous() else x.contiguous().clone()
     _c10d(dist.broadcast, out, mesh.device_ids[root], group=group)
     return out

@@ -27,7 +27,7 @@ def local_shard(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     """This rank's block of the global ``tensor`` (a slice; Partial axes partitioned)."""
     table = shard_table(layout, tuple(tensor.shape))
     k = _my_device(layout)
-    block = tensor[tuple(slice(o, o + s) for o, s in zip(table.offsets[k], table.local_shapes[k]))]
+    block = tensor[tuple([slice(o, o + s) for o, s in zip(table.offsets[k], table.local_shapes[k])])]
     coordinate = layout.mesh.coordinate(k)
     for axis, placement in enumerate(layout.placements):
         if isinstance(placement, Partial) and placement.op == "sum":
@@ -47,7 +47,7 @@ def full_tensor(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ..
     for axis, placement in enumerate(layout.placements):
         if isinstance(placement, Partial):
             value = comm.all_reduce(value, mesh, (mesh.axis_names[axis],), placement.op)
-    sharding = tuple(n for n, p in zip(mesh.axis_names, layout.placements) if isinstance(p, Shard))
+    sharding = tuple([n for n, p in zip(mesh.axis_names, layout.placements) if isinstance(p, Shard)])
     if not sharding:
         return value
     padded = shard_table(layout, tuple(global_shape)).padded_shape
@@ -61,7 +61,9 @@ def full_tensor(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ..
     return simulated_storage.assemble(gathered.reshape(*sizes, *padded), layout, tuple(global_shape))
 
 
-def check_local(local: torch.Tensor, layout: Layout, global_shape, *, run_check: bool, where: str) -> torch.Tensor:
+def check_local(
+    local: torch.Tensor, layout: Layout, global_shape, *, run_check: bool, where: str
+) -> torch.Tensor:
     expected = local_shape(layout, global_shape)
     if tuple(local.shape) != tuple(expected):
         raise ShapeError(

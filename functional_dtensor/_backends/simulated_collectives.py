@@ -54,7 +54,9 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
     return _from_groups(reduced.expand(groups.shape).contiguous(), mesh, order)
 
 
-def all_gather(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
+) -> torch.Tensor:
     """Every device gets the blocks of its group stacked (or, tiled, concatenated) at ``dim``."""
     groups, order = _to_groups(x, mesh, axes)
     rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
@@ -65,7 +67,9 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: in
     return _from_groups(gathered.contiguous(), mesh, order)
 
 
-def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool) -> torch.Tensor:
+def reduce_scatter(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
+) -> torch.Tensor:
     """Sum over the group; device ``i`` keeps block ``i`` of dim ``dim`` (removed unless tiled)."""
     groups, order = _to_groups(x, mesh, axes)
     rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
@@ -93,7 +97,9 @@ def all_to_all(
     return _from_groups(received.contiguous(), mesh, order)
 
 
-def permute(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+def permute(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
     """Device ``dst`` receives the value of ``src`` for each pair; the others receive zeros."""
     groups, order = _to_groups(x, mesh, axes)
     size = groups.shape[1]

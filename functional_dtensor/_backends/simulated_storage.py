@@ -20,7 +20,16 @@ from .._layout import Layout
 from .._placements import Partial, Shard
 from .._sharding import shard_table
 
-__all__ = ["stack", "unstack", "assemble", "shard", "from_shards", "reduce_partial", "distinct_shards", "materialize"]
+__all__ = [
+    "stack",
+    "unstack",
+    "assemble",
+    "shard",
+    "from_shards",
+    "reduce_partial",
+    "distinct_shards",
+    "materialize",
+]
 
 
 def stack(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -111,7 +120,7 @@ def _split_even(tensor: torch.Tensor, layout: Layout, local_shape) -> torch.Tens
     """``(*mesh.shape, *local_shape)`` views of an evenly split tensor."""
     mesh = layout.mesh
     view, axis_at = [], {}
-    for dim, size in enumerate(tensor.shape):
+    for dim in range(tensor.dim()):
         for axis in layout.sharding_axes(dim):
             axis_at[axis] = len(view)
             view.append(mesh.shape[axis])
@@ -163,7 +172,9 @@ def _scatter_uneven(blocks: torch.Tensor, layout: Layout, global_shape) -> torch
     mesh = layout.mesh
     sharding = [a for a, p in enumerate(layout.placements) if isinstance(p, Shard)]
     devices = tuple(
-        d for d in range(mesh.size) if all(c == 0 for a, c in enumerate(mesh.coordinate(d)) if a not in sharding)
+        d
+        for d in range(mesh.size)
+        if all(c == 0 for a, c in enumerate(mesh.coordinate(d)) if a not in sharding)
     )
     index = _index_tables(layout, global_shape, devices, str(blocks.device))
     values = blocks.reshape(len(devices), *blocks.shape[mesh.ndim :])
@@ -171,11 +182,12 @@ def _scatter_uneven(blocks: torch.Tensor, layout: Layout, global_shape) -> torch
     return out[tuple(slice(0, s) for s in global_shape)]
 
 
-
 def distinct_shards(layout: Layout, global_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The sizes of the mesh axes that split the value (1 for the others) and the padded shard
     shape: ``(*sizes, *padded)`` holds one block per distinct shard, replicas sharing theirs."""
-    sizes = tuple(layout.mesh.shape[a] if isinstance(p, Shard) else 1 for a, p in enumerate(layout.placements))
+    sizes = tuple(
+        layout.mesh.shape[a] if isinstance(p, Shard) else 1 for a, p in enumerate(layout.placements)
+    )
     return sizes, shard_table(layout, global_shape).padded_shape
 
 
