@@ -13,6 +13,7 @@ torch.Size([2, 2])
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,7 +46,9 @@ def _build(
     return distributed_storage.materialize(layout, shape, block)
 
 
-def _filled(name: str, fill: Callable[..., torch.Tensor]):
+def _factory(name: str, doc: str, blocks_for):
+    """A factory whose blocks come from ``blocks_for(layout, dtype)`` (see :func:`_build`)."""
+
     def factory(
         *size: int | Sequence[int],
         mesh: DeviceMesh,
@@ -55,29 +58,26 @@ def _filled(name: str, fill: Callable[..., torch.Tensor]):
     ) -> DTensor:
         shape = _shape(size)
         layout = layout_for(mesh, placements, len(shape), f"fd.{name}")
-        device = layout.mesh.device_type
-        storage = _build(layout, shape, lambda s, shard: fill(s, dtype=dtype, device=device))
+        storage = _build(layout, shape, blocks_for(layout, dtype))
         return DTensor(storage.requires_grad_(requires_grad), layout, shape)
 
     factory.__name__ = factory.__qualname__ = name
-    factory.__doc__ = (
-        f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards."
-    )
+    factory.__doc__ = doc
     return factory
 
 
+def _filled(name: str, fill: Callable[..., torch.Tensor]):
+    def blocks_for(layout: Layout, dtype):
+        return lambda block_shape, shard: fill(block_shape, dtype=dtype, device=layout.mesh.device_type)
+
+    doc = f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards."
+    return _factory(name, doc, blocks_for)
+
+
 def _random(name: str, draw: Callable[..., torch.Tensor]):
-    def factory(
-        *size: int | Sequence[int],
-        mesh: DeviceMesh,
-        placements: PlacementsOrSpec,
-        dtype: torch.dtype | None = None,
-        requires_grad: bool = False,
-    ) -> DTensor:
-        shape = _shape(size)
-        layout = layout_for(mesh, placements, len(shape), f"fd.{name}")
+    def blocks_for(layout: Layout, dtype):
         device = layout.mesh.device_type
-        seed = int(torch.randint(0, 2**62, ()))
+        seed = int(torch.randint(0, 2**62, ()))  # the same on equally seeded ranks
 
         def one(block_shape, shard: int) -> torch.Tensor:
             generator = torch.Generator(device=device).manual_seed(seed + shard)
@@ -86,21 +86,16 @@ def _random(name: str, draw: Callable[..., torch.Tensor]):
         def blocks(block_shape, shard):
             if shard is not None:
                 return one(block_shape, shard)
-            count = 1
-            for s in block_shape[: layout.mesh.ndim]:
-                count *= s
-            inner = block_shape[layout.mesh.ndim :]
-            return torch.stack([one(inner, i) for i in range(count)]).reshape(block_shape)
+            sizes, inner = block_shape[: layout.mesh.ndim], block_shape[layout.mesh.ndim :]
+            return torch.stack([one(inner, i) for i in range(math.prod(sizes))]).reshape(block_shape)
 
-        storage = _build(layout, shape, blocks)
-        return DTensor(storage.requires_grad_(requires_grad), layout, shape)
+        return blocks
 
-    factory.__name__ = factory.__qualname__ = name
-    factory.__doc__ = (
+    doc = (
         f"A global value of shape ``size`` drawn as ``torch.{name}``, materializing only local shards; "
         "each distinct shard from its own generator (the same values on either backend)."
     )
-    return factory
+    return _factory(name, doc, blocks_for)
 
 
 zeros = _filled("zeros", torch.zeros)
