@@ -186,10 +186,10 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
                     outputs = f(*local_args)
             else:
                 outputs = f(*local_args)
-            flat, specs, layouts, tree = _leave(outputs, out_specs, mesh, check_rep)
+            flat, layouts, tree = _leave(outputs, out_specs, mesh, check_rep)
             if simulated:
                 flat = [on_devices(v, frame) if isinstance(v, torch.Tensor) else v for v in flat]
-        out_layouts[:] = list(zip(specs, layouts))
+        out_layouts[:] = layouts  # vmap returns tensors only: the layouts come back this way
         out_treedef[:] = [tree]
         return tuple(flat)
 
@@ -200,11 +200,11 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
     else:
         results = per_device(*storages)
     values = []
-    for storage, (_, layout) in zip(results, out_layouts):
+    for storage, layout in zip(results, out_layouts):
         if layout is None:
             values.append(storage)
             continue
-        local_shape = storage.shape[1:] if mesh.backend == "simulated" else storage.shape
+        local_shape = storage.shape[1:] if simulated else storage.shape
         shape = list(local_shape)
         for axis, placement in enumerate(layout.placements):
             if isinstance(placement, Shard):
@@ -335,7 +335,7 @@ def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool):
                 value = pvary(value, missing)
         flat.append(value)
         layouts.append(layout)
-    return flat, specs, layouts, tree
+    return flat, layouts, tree
 
 
 class _SumOverReplicas(torch.autograd.Function):
