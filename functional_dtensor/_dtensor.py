@@ -25,7 +25,7 @@ import torch
 
 from . import _autograd as autograd
 from ._backends import simulated_storage as simulated
-from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
+from ._errors import InputTypeError, LayoutError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec, as_layout
 from ._mesh import DeviceMesh
 from ._placements import Placement, Replicate
@@ -399,16 +399,3 @@ def _check_replicas_equal(storage: torch.Tensor, layout: Layout, api: str) -> No
                     fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
                 )
             )
-
-
-def check_same_mesh(value: DTensor, mesh: DeviceMesh, where: str) -> None:
-    if value.device_mesh != mesh:
-        raise MeshError(
-            explain(
-                where,
-                "the value lives on another mesh",
-                expected=repr(mesh),
-                got=repr(value.device_mesh),
-                fix="distribute the value on this mesh, or use the mesh it lives on",
-            )
-        )
