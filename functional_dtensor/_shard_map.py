@@ -252,9 +252,13 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
     elif isinstance(value, torch.Tensor):
         layout = _layout(mesh, spec, value.dim(), where)
         check_divisible(layout, tuple(value.shape), where=where)
-        if mesh.backend == "simulated" and layout.is_replicated:
-            return _replicated(value.to(mesh.device_type), mesh, check_rep), False
-        storage = autograd.apply(_Distribute, value.to(mesh.device_type), layout)
+        if layout.is_replicated:  # every device's block is the whole value
+            value = value.to(mesh.device_type)
+            if mesh.backend == "simulated":
+                return _replicated(value, mesh, check_rep), False
+            storage = value
+        else:
+            storage = autograd.apply(_Distribute, value.to(mesh.device_type), layout)
     else:
         raise InputTypeError(
             explain(

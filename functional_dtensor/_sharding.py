@@ -78,6 +78,7 @@ def global_shape_of_even_local(layout: Layout, local_shape: tuple[int, ...]) -> 
     return tuple(shape)
 
 
+@lru_cache(maxsize=4096)
 def check_divisible(layout: Layout, global_shape: tuple[int, ...], *, where: str) -> None:
     """Raise unless every sharded dim splits evenly (``shard_map``'s requirement)."""
     for dim, size in enumerate(global_shape):
