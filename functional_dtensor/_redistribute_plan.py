@@ -175,9 +175,10 @@ def step_bytes(step: Step, shape: tuple[int, ...], itemsize: int) -> int:
 
 def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int) -> int:
     """A lower bound on the bytes some device must receive: every element of its target block
-    that it does not hold (all of them, where a Partial source must be reduced), and the
-    standard bounds of a reduction over a group of ``k`` devices of source blocks of ``b``
-    bytes: ``(k-1)/k b`` into shards, ``2 (k-1)/k b`` into replicas."""
+    that it does not hold (all of them, where a Partial source must be reduced over ``k > 1``
+    devices); and the standard bounds of that reduction, on target blocks of ``d`` bytes:
+    ``2 (k-1)/k d`` where the reduced axes become Replicate (an all-reduce), ``(k-1) d`` where
+    they become Shard (a reduce-scatter); these for even splits only."""
     mesh = source.mesh
     reduced = [
         a
@@ -191,12 +192,15 @@ def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize
         if not reduced:
             size -= _overlap(src, dst, device)
         need = max(need, size * itemsize)
-    if not reduced:
-        return need
-    k = math.prod(mesh.shape[a] for a in reduced)
-    b = _block_bytes(source, shape, itemsize)
-    into_replicas = all(isinstance(target.placements[a], Replicate) for a in reduced)
-    return max(need, (2 if into_replicas else 1) * (k - 1) * b // k)
+    if not reduced or not (src.is_even and dst.is_even):
+        return need  # the collective bounds below assume equal blocks
+    k = math.prod([mesh.shape[a] for a in reduced])
+    d = _block_bytes(target, shape, itemsize)
+    if all(isinstance(target.placements[a], Replicate) for a in reduced):
+        return max(need, 2 * (k - 1) * d // k)
+    if all(isinstance(target.placements[a], Shard) for a in reduced):
+        return max(need, (k - 1) * d)
+    return need
 
 
 def _overlap(src, dst, device: int) -> int:
