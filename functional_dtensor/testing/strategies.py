@@ -381,15 +381,19 @@ def global_shapes(
     ...     assert len(shape) <= 3 and all(0 <= s <= 5 for s in shape)
     >>> test()
     """
-    _check_int(min_dims, "global_shapes(min_dims)", low=0)
-    _check_int(max_dims, "global_shapes(max_dims)", low=0)
-    _check_interval(min_dims, max_dims, "global_shapes(min_dims, max_dims)")
-    _check_int(min_side, "global_shapes(min_side)", low=0)
-    _check_int(max_side, "global_shapes(max_side)", low=0)
-    _check_interval(min_side, max_side, "global_shapes(min_side, max_side)")
-    _check_int(max_elements, "global_shapes(max_elements)", low=1)
-    _check_budget(min_side, max_dims, max_elements, "global_shapes(max_elements)")
+    _check_shape_args("global_shapes", min_dims, max_dims, min_side, max_side, max_elements)
     return _global_shapes(min_dims, max_dims, min_side, max_side, max_elements)
+
+
+def _check_shape_args(api: str, min_dims, max_dims, min_side, max_side, max_elements) -> None:
+    _check_int(min_dims, f"{api}(min_dims)", low=0)
+    _check_int(max_dims, f"{api}(max_dims)", low=0)
+    _check_interval(min_dims, max_dims, f"{api}(min_dims, max_dims)")
+    _check_int(min_side, f"{api}(min_side)", low=0)
+    _check_int(max_side, f"{api}(max_side)", low=0)
+    _check_interval(min_side, max_side, f"{api}(min_side, max_side)")
+    _check_int(max_elements, f"{api}(max_elements)", low=1)
+    _check_budget(min_side, max_dims, max_elements, f"{api}(max_elements)")
 
 
 def _check_budget(min_side: int, max_dims: int, max_elements: int, where: str) -> None:
@@ -486,14 +490,7 @@ def sharded_cases(
     >>> test()
     """
     mesh = meshes() if mesh is None else _check_mesh(mesh, "sharded_cases(mesh)")
-    _check_int(min_dims, "sharded_cases(min_dims)", low=0)
-    _check_int(max_dims, "sharded_cases(max_dims)", low=0)
-    _check_interval(min_dims, max_dims, "sharded_cases(min_dims, max_dims)")
-    _check_int(min_side, "sharded_cases(min_side)", low=0)
-    _check_int(max_side, "sharded_cases(max_side)", low=0)
-    _check_interval(min_side, max_side, "sharded_cases(min_side, max_side)")
-    _check_int(max_elements, "sharded_cases(max_elements)", low=1)
-    _check_budget(min_side, max_dims, max_elements, "sharded_cases(max_elements)")
+    _check_shape_args("sharded_cases", min_dims, max_dims, min_side, max_side, max_elements)
     if dtype is None:
         dtype = dtypes()
     elif isinstance(dtype, torch.dtype):
