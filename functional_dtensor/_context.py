@@ -25,10 +25,6 @@ class Frame:
     check_rep: bool
     device_level: int | None  # the vmap level of the device dim (simulated backend)
 
-    @property
-    def simulated(self) -> bool:
-        return self.mesh.backend == "simulated"
-
 
 _local = threading.local()
 

@@ -3,7 +3,7 @@
 Not a ``torch.Tensor`` subclass: a small record holding the layout, the global shape and the
 backend's storage (on the simulated backend every device's shard, stacked; on the distributed
 backend this rank's shard). Everything that computes on it is a pure function returning a new
-value: :func:`shard_map`, :func:`redistribute`, :func:`local_map`.
+value: :func:`shard_map`, :func:`redistribute`.
 
 >>> import torch, functional_dtensor as fd
 >>> mesh = fd.simulated_mesh(4, "x")
