@@ -221,8 +221,12 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
         if level is None:
             return autograd.apply(_Collective, x, op, False)
         direct = maybe_current_level() == level
-        everywhere = axes_varying(x) | set(op.axes) == set(op.frame.mesh.axis_names)
-        if direct and isinstance(op, Pvary) and everywhere and not _batched_at(x, level):
+        if (
+            direct
+            and isinstance(op, Pvary)
+            and axes_varying(x) | set(op.axes) == set(op.frame.mesh.axis_names)
+            and not _batched_at(x, level)
+        ):
             with temporarily_pop_interpreter_stack():
                 return _run_stacked(x, VaryUnbatched(op.frame, op.axes))
         x = on_devices(x, op.frame)

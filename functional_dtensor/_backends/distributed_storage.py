@@ -28,12 +28,17 @@ def local_shard(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     table = shard_table(layout, tuple(tensor.shape))
     k = _my_device(layout)
     block = tensor[tuple([slice(o, o + s) for o, s in zip(table.offsets[k], table.local_shapes[k])])]
-    coordinate = layout.mesh.coordinate(k)
+    return _partitioned(block, layout, k)
+
+
+def _partitioned(block: torch.Tensor, layout: Layout, device: int) -> torch.Tensor:
+    """Split a replicated block into parts that reduce back to it, as the simulated backend
+    does: a sum divided evenly (floating dtypes) or held by coordinate 0 (integer dtypes)."""
+    coordinate = layout.mesh.coordinate(device)
     for axis, placement in enumerate(layout.placements):
         if isinstance(placement, Partial) and placement.op == "sum":
-            size = layout.mesh.shape[axis]
             if block.is_floating_point() or block.is_complex():
-                block = block / size
+                block = block / layout.mesh.shape[axis]
             elif coordinate[axis] != 0:
                 block = torch.zeros_like(block)
     return block
@@ -114,13 +119,6 @@ def shard_index(layout: Layout) -> int:
 
 def materialize(layout: Layout, global_shape: tuple[int, ...], padded_block: torch.Tensor) -> torch.Tensor:
     """This rank's shard from its block padded to the largest shard, Partial axes partitioned."""
-    table = shard_table(layout, tuple(global_shape))
-    block = padded_block[tuple(slice(0, s) for s in table.local_shapes[_my_device(layout)])]
-    coordinate = layout.mesh.coordinate(_my_device(layout))
-    for axis, placement in enumerate(layout.placements):
-        if isinstance(placement, Partial) and placement.op == "sum":
-            if block.is_floating_point() or block.is_complex():
-                block = block / layout.mesh.shape[axis]
-            elif coordinate[axis] != 0:
-                block = torch.zeros_like(block)
-    return block
+    k = _my_device(layout)
+    local = shard_table(layout, tuple(global_shape)).local_shapes[k]
+    return _partitioned(padded_block[tuple([slice(0, s) for s in local])], layout, k)
