@@ -131,7 +131,7 @@ class DTensor:
 
     def full_tensor(self) -> torch.Tensor:
         """The global value on every device (Partial axes reduced). Differentiable."""
-        return autograd.apply(_FullTensor, self._storage, self._layout, tuple(self._shape))
+        return gather_storage(self._storage, self._layout, tuple(self._shape))
 
     def redistribute(self, placements) -> DTensor:
         """This value in another layout: :func:`fd.redistribute(self, placements) <redistribute>`."""
@@ -163,6 +163,32 @@ def _global_of(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) ->
     from ._backends import distributed_storage
 
     return distributed_storage.full_tensor(storage, layout, shape)
+
+
+def distribute_storage(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The storage of the global ``tensor``, differentiably. On the simulated backend an evenly
+    split value over every mesh axis is views of the tensor, whose own backward reassembles the
+    cotangent; every other case goes through :class:`_Distribute`."""
+    if _is_split_view(layout, tuple(tensor.shape)):
+        return simulated.stack(tensor, layout)
+    return autograd.apply(_Distribute, tensor, layout)
+
+
+def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+    """The global value of ``storage``, differentiably (the inverse of :func:`distribute_storage`)."""
+    if _is_split_view(layout, shape):
+        return simulated.unstack(storage, layout, shape)
+    return autograd.apply(_FullTensor, storage, layout, shape)
+
+
+def _is_split_view(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the storage is a permutation of the global value's elements: simulated, every
+    mesh axis a Shard, even blocks. Then plain view ops carry the right gradient both ways."""
+    return (
+        layout.mesh.backend == "simulated"
+        and layout.is_fully_sharded
+        and shard_table(layout, shape).is_even
+    )
 
 
 def _without_partial(layout: Layout) -> Layout:
@@ -291,7 +317,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         )
     tensor = _check_tensor(tensor, f"{api}(tensor)")
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
-    storage = autograd.apply(_Distribute, tensor.to(layout.mesh.device_type), layout)
+    storage = distribute_storage(tensor.to(layout.mesh.device_type), layout)
     return DTensor(storage, layout, tensor.shape)
 
 

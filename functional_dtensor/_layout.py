@@ -139,6 +139,11 @@ class Layout:
         return all([isinstance(p, Replicate) for p in self.placements])
 
     @property
+    def is_fully_sharded(self) -> bool:
+        """Whether every mesh axis splits the value (no replicas, no partial values)."""
+        return all([isinstance(p, Shard) for p in self.placements])
+
+    @property
     def has_partial(self) -> bool:
         return any([isinstance(p, Partial) for p in self.placements])
 

@@ -22,12 +22,19 @@ from typing import Any, TypeAlias, overload
 
 import optree
 import torch
-from torch._C._functorch import maybe_current_level
+from torch._C._functorch import (
+    _add_batch_dim,
+    _remove_batch_dim,
+    _vmap_decrement_nesting,
+    _vmap_increment_nesting,
+    maybe_current_level,
+)
+from torch._functorch.vmap import lazy_load_decompositions
 
 from . import _autograd as autograd
 from ._collectives import AllReduce, VaryUnbatched, on_devices, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
-from ._dtensor import DTensor, _check_mesh, _Distribute
+from ._dtensor import DTensor, _check_mesh, distribute_storage
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
@@ -196,7 +203,7 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
     if simulated:
         if needs_device_index:
             storages, in_dims = [*storages, torch.arange(mesh.size)], (*in_dims, 0)
-        results = torch.func.vmap(per_device, in_dims=in_dims, randomness="different")(*storages)
+        results = _over_devices(per_device, mesh.size, in_dims, storages)
     else:
         results = per_device(*storages)
     values = []
@@ -217,6 +224,27 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
                 storage = autograd.apply(_SplitCotangent, storage, replicas)
         values.append(DTensor(storage, layout, shape))
     return out_treedef[0].unflatten(values)
+
+
+def _over_devices(per_device, size: int, in_dims, storages):
+    """``torch.func.vmap(per_device, in_dims, randomness="different")(*storages)`` with every
+    output batched at dim 0, calling functorch's batching primitives directly: the arguments are
+    flat and the outputs already batched, so vmap's pytree handling is pure overhead."""
+    if torch.compiler.is_compiling():
+        return torch.func.vmap(per_device, in_dims=in_dims, randomness="different")(*storages)
+    _load_decompositions()
+    level = _vmap_increment_nesting(size, "different")
+    try:
+        outputs = per_device(*[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(storages, in_dims)])
+        return [v if v is None else _remove_batch_dim(v, level, size, 0) for v in outputs]
+    finally:
+        _vmap_decrement_nesting()
+
+
+@functools.cache
+def _load_decompositions() -> None:
+    """The Python decompositions vmap needs for some ops, registered once (as vmap does)."""
+    lazy_load_decompositions()
 
 
 def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argument: str):
@@ -258,7 +286,7 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
                 return _replicated(value, mesh, check_rep), False
             storage = value
         else:
-            storage = autograd.apply(_Distribute, value.to(mesh.device_type), layout)
+            storage = distribute_storage(value.to(mesh.device_type), layout)
     else:
         raise InputTypeError(
             explain(

@@ -118,28 +118,41 @@ def _partition_partial(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 def _split_even(tensor: torch.Tensor, layout: Layout, local_shape) -> torch.Tensor:
     """``(*mesh.shape, *local_shape)`` views of an evenly split tensor."""
+    view, order, blocks, expanded = _split_recipe(layout, tuple(local_shape))
+    return tensor.reshape(view).permute(order).reshape(blocks).expand(expanded)
+
+
+@lru_cache(maxsize=1024)
+def _split_recipe(layout: Layout, local_shape: tuple[int, ...]):
+    """The view ops of :func:`_split_even`: each dim split into its mesh axes and its block,
+    the mesh axes moved to the front in mesh order, the replicated axes inserted as size 1."""
     mesh = layout.mesh
     view, axis_at = [], {}
-    for dim in range(tensor.dim()):
+    for dim in range(len(local_shape)):
         for axis in layout.sharding_axes(dim):
             axis_at[axis] = len(view)
             view.append(mesh.shape[axis])
         view.append(local_shape[dim])
     local_at = [i for i in range(len(view)) if i not in axis_at.values()]
-    blocks = tensor.reshape(view).permute((*[axis_at[a] for a in sorted(axis_at)], *local_at))
+    order = (*[axis_at[a] for a in sorted(axis_at)], *local_at)
     sizes = [mesh.shape[a] if a in axis_at else 1 for a in range(mesh.ndim)]
-    return blocks.reshape(*sizes, *local_shape).expand(*mesh.shape, *local_shape)
+    return tuple(view), order, (*sizes, *local_shape), (*mesh.shape, *local_shape)
 
 
 def _merge_even(blocks, layout, local_shape, global_shape) -> torch.Tensor:
     """Inverse of :func:`_split_even` on blocks whose non-Shard axes have size 1."""
+    view, order = _merge_recipe(layout, tuple(local_shape), len(global_shape))
+    return blocks.reshape(view).permute(order).reshape(global_shape)
+
+
+@lru_cache(maxsize=1024)
+def _merge_recipe(layout: Layout, local_shape: tuple[int, ...], ndim: int):
     sharding = [a for a, p in enumerate(layout.placements) if isinstance(p, Shard)]
-    blocks = blocks.reshape((*[layout.mesh.shape[a] for a in sharding], *local_shape))
     order = []
-    for dim in range(len(global_shape)):
+    for dim in range(ndim):
         order += [sharding.index(a) for a in layout.sharding_axes(dim)]
         order.append(len(sharding) + dim)
-    return blocks.permute(tuple(order)).reshape(global_shape)
+    return (*[layout.mesh.shape[a] for a in sharding], *local_shape), tuple(order)
 
 
 @lru_cache(maxsize=256)
