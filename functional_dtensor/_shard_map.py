@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, TypeAlias, overload
+from typing import Any, NamedTuple, TypeAlias, overload
 
 import optree
 import torch
@@ -100,9 +100,11 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, check_rep=True):
             shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_rep
         )
 
+    plans: tuple[dict, dict] = ({}, {})  # per argument / output structure: what the specs say
+
     @functools.wraps(f)
     def mapped(*args):
-        return _run(f, args, mesh, in_specs, out_specs, check_rep)
+        return _run(f, args, mesh, in_specs, out_specs, check_rep, plans)
 
     return mapped
 
@@ -124,6 +126,26 @@ def _broadcast(specs, tree, name: str):
         ) from None
 
 
+class _EntryPlan(NamedTuple):
+    """What ``in_specs`` says of each leaf of one argument structure, worked out once."""
+
+    specs: tuple[P | None, ...]
+    axes: tuple[frozenset[str] | None, ...]  # the mesh axes each argument varies over
+    wheres: tuple[str, ...]  # the spec's path, for errors
+    arguments: tuple[str, ...]  # the argument's path, for errors
+
+    @classmethod
+    def of(cls, in_specs, args, treedef) -> _EntryPlan:
+        specs = treedef.flatten_up_to(_broadcast(in_specs, args, "in_specs"))
+        paths = [accessor.codify("") for accessor in treedef.accessors()]
+        return cls(
+            tuple(specs),
+            tuple([None if spec is None else frozenset(spec.axis_names) for spec in specs]),
+            tuple([f"fd.shard_map(in_specs{path})" for path in paths]),
+            tuple([f"args{path}" for path in paths]),
+        )
+
+
 @functools.lru_cache(maxsize=1024)
 def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
     if len(spec) > value_ndim:
@@ -139,7 +161,7 @@ def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
     return Layout.from_spec(mesh, spec, where=where)
 
 
-def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
+def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans: tuple[dict, dict]):
     if current_frame() is not None:
         raise FunctionalDTensorError(
             explain(
@@ -150,23 +172,20 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
                 fix="map over all the axes you need in the outer shard_map",
             )
         )
-    full_specs = _broadcast(in_specs, args, "in_specs")
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(
-        args, none_is_leaf=True, namespace=NAMESPACE
-    )
-    spec_leaves = treedef.flatten_up_to(full_specs)
-    storages, in_axes, in_dims = [], [], []
-    for accessor, value, spec in zip(accessors, leaves, spec_leaves):
+    leaves, treedef = optree.tree_flatten(args, none_is_leaf=True, namespace=NAMESPACE)
+    plan = plans[0].get(treedef)
+    if plan is None:
+        plan = plans[0][treedef] = _EntryPlan.of(in_specs, args, treedef)
+    storages, in_dims = [], []
+    for value, spec, where, argument in zip(leaves, plan.specs, plan.wheres, plan.arguments):
         if spec is None:
             storages.append(value)
-            in_axes.append(None)
             in_dims.append(None)
             continue
-        where = f"fd.shard_map(in_specs{accessor.codify('')})"
-        storage, batched = _enter(value, spec, mesh, check_rep, where, accessor.codify("args"))
+        storage, batched = _enter(value, spec, mesh, check_rep, where, argument)
         storages.append(storage)
-        in_axes.append(frozenset(spec.axis_names))
         in_dims.append(0 if batched else None)
+    in_axes = plan.axes
 
     out_layouts: list = []
     out_treedef: list = []
@@ -193,7 +212,7 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool):
                     outputs = f(*local_args)
             else:
                 outputs = f(*local_args)
-            flat, layouts, tree = _leave(outputs, out_specs, mesh, check_rep)
+            flat, layouts, tree = _leave(outputs, out_specs, mesh, check_rep, plans[1])
             if simulated:
                 flat = [on_devices(v, frame) if isinstance(v, torch.Tensor) else v for v in flat]
         out_layouts[:] = layouts  # vmap returns tensors only: the layouts come back this way
@@ -311,15 +330,15 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
     return on_storage(value, mesh, VaryUnbatched, mesh.axis_names)
 
 
-def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool):
-    full_specs = _broadcast(out_specs, outputs, "out_specs")
-    accessors, leaves, tree = optree.tree_flatten_with_accessor(
-        outputs, none_is_leaf=True, namespace=NAMESPACE
-    )
-    specs = tree.flatten_up_to(full_specs)
+def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool, plans: dict):
+    leaves, tree = optree.tree_flatten(outputs, none_is_leaf=True, namespace=NAMESPACE)
+    plan = plans.get(tree)
+    if plan is None:
+        specs = tree.flatten_up_to(_broadcast(out_specs, outputs, "out_specs"))
+        paths = [accessor.codify("out_specs") for accessor in tree.accessors()]
+        plan = plans[tree] = (specs, paths)
     flat, layouts = [], []
-    for accessor, value, spec in zip(accessors, leaves, specs):
-        path = accessor.codify("out_specs")
+    for value, spec, path in zip(leaves, *plan):
         if spec is None or value is None:
             if value is not None and spec is None:
                 raise SpecError(

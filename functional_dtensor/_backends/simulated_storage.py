@@ -34,7 +34,11 @@ __all__ = [
 
 def stack(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Every device's shard of the global ``tensor``, stacked: ``(n, *padded_shape)``."""
-    table = shard_table(layout, tuple(tensor.shape))
+    shape = tuple(tensor.shape)
+    steps = _stack_steps(layout, shape)
+    if steps is not None:
+        return _run_steps(tensor, steps)
+    table = shard_table(layout, shape)
     mesh = layout.mesh
     if table.is_even:
         blocks = _split_even(tensor, layout, table.padded_shape)
@@ -46,6 +50,9 @@ def stack(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 def unstack(stacked: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
     """The global tensor: Partial axes reduced, replicas read from coordinate 0."""
+    steps = _unstack_steps(layout, global_shape)
+    if steps is not None:
+        return _run_steps(stacked, steps)
     table = shard_table(layout, global_shape)
     mesh = layout.mesh
     blocks = stacked.reshape(*mesh.shape, *table.padded_shape)
@@ -54,6 +61,68 @@ def unstack(stacked: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]
         if not isinstance(placement, Shard):
             blocks = blocks.narrow(axis, 0, 1)
     return assemble(blocks, layout, global_shape)
+
+
+def _run_steps(tensor: torch.Tensor, steps) -> torch.Tensor:
+    for method, args in steps:
+        tensor = method(tensor, *args)
+    return tensor
+
+
+def _steps(shape: tuple[int, ...], ops) -> tuple:
+    """``(Tensor method, args)`` pairs for ``ops``, without those that leave the tensor as is."""
+    steps = []
+    for method, args in ops:
+        if method is torch.Tensor.reshape and tuple(args) == shape:
+            continue
+        if method is torch.Tensor.permute and tuple(args) == tuple(range(len(shape))):
+            continue
+        if method is torch.Tensor.reshape:
+            shape = tuple(args)
+        elif method is torch.Tensor.permute:
+            shape = tuple(shape[i] for i in args)
+        elif method is torch.Tensor.expand:
+            shape = tuple(args)
+        elif method is torch.Tensor.select:
+            shape = shape[: args[0]] + shape[args[0] + 1 :]
+        steps.append((method, tuple(args)))
+    return tuple(steps)
+
+
+@lru_cache(maxsize=1024)
+def _stack_steps(layout: Layout, shape: tuple[int, ...]):
+    """The view ops from an evenly split global value without Partial axes to its storage
+    (None for the other layouts), computed once per layout and shape."""
+    table = shard_table(layout, shape)
+    if not table.is_even or layout.has_partial:
+        return None
+    n, local = layout.mesh.size, table.padded_shape
+    if layout.is_replicated:
+        return _steps(shape, [(torch.Tensor.expand, (n, *shape))])
+    view, order, blocks, expanded = _split_recipe(layout, local)
+    ops = [(torch.Tensor.reshape, view), (torch.Tensor.permute, order)]
+    if not layout.is_fully_sharded:
+        ops += [(torch.Tensor.reshape, blocks), (torch.Tensor.expand, expanded)]
+    return _steps(shape, [*ops, (torch.Tensor.reshape, (n, *local))])
+
+
+@lru_cache(maxsize=1024)
+def _unstack_steps(layout: Layout, shape: tuple[int, ...]):
+    """The view ops from the storage of an evenly split value without Partial axes to the
+    global value, replicas read from coordinate 0 (None for the other layouts)."""
+    table = shard_table(layout, shape)
+    if not table.is_even or layout.has_partial:
+        return None
+    mesh, local = layout.mesh, table.padded_shape
+    if layout.is_replicated:
+        return ((torch.Tensor.select, (0, 0)),)
+    ops = [(torch.Tensor.reshape, (*mesh.shape, *local))]
+    for axis in reversed(range(mesh.ndim)):
+        if not isinstance(layout.placements[axis], Shard):
+            ops.append((torch.Tensor.select, (axis, 0)))
+    view, order = _merge_recipe(layout, local, len(shape))
+    ops += [(torch.Tensor.permute, order), (torch.Tensor.reshape, shape)]
+    return _steps((mesh.size, *local), ops)
 
 
 def assemble(blocks: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
