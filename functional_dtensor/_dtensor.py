@@ -39,17 +39,41 @@ class DTensor:
     :func:`from_local`, a factory such as :func:`zeros`, or as the output of
     :func:`shard_map`."""
 
-    __slots__ = ("_layout", "_shape", "_storage")
+    __slots__ = ("_layout", "_shape", "_stored", "_replica")
 
     _layout: Layout
     _shape: torch.Size
-    _storage: torch.Tensor
+    _stored: torch.Tensor | None
+    _replica: torch.Tensor | None
 
     def __init__(self, storage: torch.Tensor, layout: Layout, shape: Sequence[int]) -> None:
         """Internal: use :func:`distribute_tensor` or :func:`from_local`."""
-        object.__setattr__(self, "_storage", storage)
+        object.__setattr__(self, "_stored", storage)
+        object.__setattr__(self, "_replica", None)
         object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_shape", torch.Size(shape))
+
+    @classmethod
+    def _of_replica(cls, value: torch.Tensor, layout: Layout) -> DTensor:
+        """Internal: a replicated value held once (its storage is built when first needed), as
+        a simulated ``shard_map`` returns a value that is the same on every device."""
+        out = cls.__new__(cls)
+        for name, field in (("_stored", None), ("_replica", value), ("_layout", layout), ("_shape", value.shape)):
+            object.__setattr__(out, name, field)
+        return out
+
+    @property
+    def _storage(self) -> torch.Tensor:
+        stored = self._stored
+        if stored is None:
+            stored = distribute_storage(self._replica, self._layout)
+            object.__setattr__(self, "_stored", stored)
+        return stored
+
+    @property
+    def _value(self) -> torch.Tensor:
+        """Any tensor of this value's dtype and autograd state."""
+        return self._storage if self._replica is None else self._replica
 
     def __setattr__(self, name, value):
         raise AttributeError(f"fd.DTensor is immutable: cannot set {name!r}; build a new value instead")
@@ -68,11 +92,11 @@ class DTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._storage.dtype
+        return self._value.dtype
 
     @property
     def requires_grad(self) -> bool:
-        return self._storage.requires_grad
+        return self._value.requires_grad
 
     @property
     def grad(self) -> DTensor | None:
@@ -131,6 +155,8 @@ class DTensor:
 
     def full_tensor(self) -> torch.Tensor:
         """The global value on every device (Partial axes reduced). Differentiable."""
+        if self._replica is not None:
+            return self._replica.view_as(self._replica)
         return gather_storage(self._storage, self._layout, tuple(self._shape))
 
     def redistribute(self, placements) -> DTensor:

@@ -28,6 +28,7 @@ from torch._C._functorch import (
     _vmap_decrement_nesting,
     _vmap_increment_nesting,
     maybe_current_level,
+    maybe_get_level,
 )
 from torch._functorch.vmap import lazy_load_decompositions
 
@@ -173,9 +174,7 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans:
             )
         )
     leaves, treedef = optree.tree_flatten(args, none_is_leaf=True, namespace=NAMESPACE)
-    plan = plans[0].get(treedef)
-    if plan is None:
-        plan = plans[0][treedef] = _EntryPlan.of(in_specs, args, treedef)
+    plan = _cached(plans[0], treedef, lambda: _EntryPlan.of(in_specs, args, treedef))
     storages, in_dims = [], []
     for value, spec, where, argument in zip(leaves, plan.specs, plan.wheres, plan.arguments):
         if spec is None:
@@ -214,7 +213,7 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans:
                 outputs = f(*local_args)
             flat, layouts, tree = _leave(outputs, out_specs, mesh, check_rep, plans[1])
             if simulated:
-                flat = [on_devices(v, frame) if isinstance(v, torch.Tensor) else v for v in flat]
+                flat = [_on_devices(v, layout, frame) for v, layout in zip(flat, layouts)]
         out_layouts[:] = layouts  # vmap returns tensors only: the layouts come back this way
         out_treedef[:] = [tree]
         return tuple(flat)
@@ -222,13 +221,17 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans:
     if simulated:
         if needs_device_index:
             storages, in_dims = [*storages, torch.arange(mesh.size)], (*in_dims, 0)
-        results = _over_devices(per_device, mesh.size, in_dims, storages)
+        results, batched = _over_devices(per_device, mesh.size, in_dims, storages)
     else:
         results = per_device(*storages)
+        batched = [True] * len(results)
     values = []
-    for storage, layout in zip(results, out_layouts):
+    for storage, is_batched, layout in zip(results, batched, out_layouts):
         if layout is None:
             values.append(storage)
+            continue
+        if not is_batched:  # simulated, the same on every device: held once
+            values.append(DTensor._of_replica(storage, layout))
             continue
         local_shape = storage.shape[1:] if simulated else storage.shape
         shape = list(local_shape)
@@ -246,18 +249,32 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans:
 
 
 def _over_devices(per_device, size: int, in_dims, storages):
-    """``torch.func.vmap(per_device, in_dims, randomness="different")(*storages)`` with every
-    output batched at dim 0, calling functorch's batching primitives directly: the arguments are
-    flat and the outputs already batched, so vmap's pytree handling is pure overhead."""
+    """``torch.func.vmap(per_device, in_dims, randomness="different")(*storages)``, calling
+    functorch's batching primitives directly (the arguments are flat already: vmap's pytree
+    handling is pure overhead). Outputs not batched over the devices come back as they are;
+    returns the outputs and whether each was batched."""
     if torch.compiler.is_compiling():
-        return torch.func.vmap(per_device, in_dims=in_dims, randomness="different")(*storages)
+        outputs = torch.func.vmap(per_device, in_dims=in_dims, randomness="different")(*storages)
+        return outputs, [True] * len(outputs)
     _load_decompositions()
     level = _vmap_increment_nesting(size, "different")
     try:
         outputs = per_device(*[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(storages, in_dims)])
-        return [v if v is None else _remove_batch_dim(v, level, size, 0) for v in outputs]
+        batched = [v is not None and maybe_get_level(v) == level for v in outputs]
+        outputs = [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)]
+        return outputs, batched
     finally:
         _vmap_decrement_nesting()
+
+
+def _on_devices(value, layout: Layout | None, frame: Frame):
+    """An output of the per-device function as per-device values for the device vmap; with
+    ``check_rep``, a replicated output the same on every device stays one value."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if frame.check_rep and layout.is_replicated and not torch.compiler.is_compiling():
+        return value
+    return on_devices(value, frame)
 
 
 @functools.cache
@@ -293,9 +310,10 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
                 )
             )
         check_divisible(layout, tuple(value.shape), where=where)
-        storage = value._storage
         if mesh.backend == "simulated" and layout.is_replicated:
-            return _replicated(storage[0], mesh, check_rep), False
+            one = value._replica if value._replica is not None else value._storage[0]
+            return _replicated(one, mesh, check_rep), False
+        storage = value._storage
     elif isinstance(value, torch.Tensor):
         layout = _layout(mesh, spec, value.dim(), where)
         check_divisible(layout, tuple(value.shape), where=where)
@@ -330,13 +348,26 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
     return on_storage(value, mesh, VaryUnbatched, mesh.axis_names)
 
 
+def _exit_plan(out_specs, outputs, tree):
+    """What ``out_specs`` says of each leaf of one output structure: the specs and paths."""
+    specs = tree.flatten_up_to(_broadcast(out_specs, outputs, "out_specs"))
+    return specs, [accessor.codify("out_specs") for accessor in tree.accessors()]
+
+
+def _cached(plans: dict, treedef, make):
+    """``plans[treedef]``, made on first use (made afresh while compiling: tracing happens once,
+    and Dynamo cannot hash a treedef)."""
+    if torch.compiler.is_compiling():
+        return make()
+    plan = plans.get(treedef)
+    if plan is None:
+        plan = plans[treedef] = make()
+    return plan
+
+
 def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool, plans: dict):
     leaves, tree = optree.tree_flatten(outputs, none_is_leaf=True, namespace=NAMESPACE)
-    plan = plans.get(tree)
-    if plan is None:
-        specs = tree.flatten_up_to(_broadcast(out_specs, outputs, "out_specs"))
-        paths = [accessor.codify("out_specs") for accessor in tree.accessors()]
-        plan = plans[tree] = (specs, paths)
+    plan = _cached(plans, tree, lambda: _exit_plan(out_specs, outputs, tree))
     flat, layouts = [], []
     for value, spec, path in zip(leaves, *plan):
         if spec is None or value is None:
