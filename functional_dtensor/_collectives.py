@@ -37,8 +37,9 @@ from torch._C._functorch import (
     is_functorch_wrapped_tensor,
     maybe_current_level,
     maybe_get_level,
+    pop_dynamic_layer_stack,
+    push_dynamic_layer_stack,
 )
-from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
 from . import _autograd as autograd
 from . import _comm_log as comm_log
@@ -78,6 +79,8 @@ class _Op:
     needs_varying: ClassVar[bool] = True  # run on values that vary over the axes (pvary first)
     keeps_device_dim: ClassVar[bool] = True  # run_stacked returns (n, ...), not one value
     name: ClassVar[str] = ""  # the collective it runs, as counted by CommDebugMode
+    # run_stacked's own autograd is the transpose, with nothing to count (no Function needed)
+    native: ClassVar[bool] = False
 
     def run_stacked(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -137,7 +140,19 @@ class _Collective(torch.autograd.Function):
 
 
 def _run_stacked(x: torch.Tensor, op: _Op) -> torch.Tensor:
+    if op.native:
+        _log(op, x, True)
+        return op.run_stacked(x)
     return autograd.apply(_Collective, x, op, True)
+
+
+def _below_device_level(x: torch.Tensor, op: _Op) -> torch.Tensor:
+    """Run ``op`` on stacked values with the device vmap (the innermost transform) popped."""
+    saved = pop_dynamic_layer_stack()
+    try:
+        return _run_stacked(x, op)
+    finally:
+        push_dynamic_layer_stack(saved)
 
 
 class _Replicate(torch.autograd.Function):
@@ -191,8 +206,14 @@ def on_devices(x: torch.Tensor, frame: Frame) -> torch.Tensor:
     varying = axes_varying(x)
     summed = tuple([a for a, name in enumerate(mesh.axis_names) if not frame.check_rep or name in varying])
     if maybe_current_level() == level:
-        with temporarily_pop_interpreter_stack():
-            stacked = autograd.apply(_Replicate, x, mesh.shape, summed)
+        saved = pop_dynamic_layer_stack()
+        try:
+            if len(summed) == mesh.ndim:  # expand's own backward sums the copies
+                stacked = x.expand(mesh.size, *x.shape)
+            else:
+                stacked = autograd.apply(_Replicate, x, mesh.shape, summed)
+        finally:
+            push_dynamic_layer_stack(saved)
         return _add_batch_dim(stacked, 0, level)
     # under a transform of the user's inside the per-device function: the same, with ops
     first = _first_copies(mesh, summed, str(x.device))
@@ -227,15 +248,13 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
             and axes_varying(x) | set(op.axes) == set(op.frame.mesh.axis_names)
             and not _batched_at(x, level)
         ):
-            with temporarily_pop_interpreter_stack():
-                return _run_stacked(x, VaryUnbatched(op.frame, op.axes))
+            return _below_device_level(x, VaryUnbatched(op.frame, op.axes))
         x = on_devices(x, op.frame)
         if direct and maybe_get_level(x) == level:
             value, batch_dim = _unwrap_batched(x, level)
             if type(op) is AllReduce and op.size == op.frame.mesh.size:
-                op = _ReduceAll(**vars(op))
-            with temporarily_pop_interpreter_stack():
-                out = _run_stacked(value.movedim(batch_dim, 0), op)
+                op = _ReduceAll(op.frame, op.axes, op.op, op.transpose_psum)
+            out = _below_device_level(value.movedim(batch_dim, 0), op)
             return _add_batch_dim(out, 0, level) if op.keeps_device_dim else out
         return autograd.apply(_Collective, x, op, False)
 
@@ -354,6 +373,11 @@ class _ReduceAll(AllReduce):
     broadcasts it."""
 
     keeps_device_dim: ClassVar[bool] = False
+
+    @property
+    def native(self) -> bool:  # type: ignore[override]
+        # sum(0) and mean(0) backward broadcast the cotangent, as the transpose does
+        return self.op in ("sum", "avg") and self.frame.check_rep and not self.transpose_psum
 
     def run_stacked(self, x):
         if self.op == "sum":
