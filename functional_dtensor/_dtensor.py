@@ -58,7 +58,8 @@ class DTensor:
         """Internal: a replicated value held once (its storage is built when first needed), as
         a simulated ``shard_map`` returns a value that is the same on every device."""
         out = cls.__new__(cls)
-        for name, field in (("_stored", None), ("_replica", value), ("_layout", layout), ("_shape", value.shape)):
+        fields = {"_stored": None, "_replica": value, "_layout": layout, "_shape": value.shape}
+        for name, field in fields.items():
             object.__setattr__(out, name, field)
         return out
 
@@ -211,9 +212,7 @@ def _is_split_view(layout: Layout, shape: tuple[int, ...]) -> bool:
     """Whether the storage is a permutation of the global value's elements: simulated, every
     mesh axis a Shard, even blocks. Then plain view ops carry the right gradient both ways."""
     return (
-        layout.mesh.backend == "simulated"
-        and layout.is_fully_sharded
-        and shard_table(layout, shape).is_even
+        layout.mesh.backend == "simulated" and layout.is_fully_sharded and shard_table(layout, shape).is_even
     )
 
 

@@ -33,6 +33,7 @@ from torch._C._functorch import (
 from torch._functorch.vmap import lazy_load_decompositions
 
 from . import _autograd as autograd
+from ._backends.simulated_batching import BatchingRules
 from ._collectives import AllReduce, VaryUnbatched, on_devices, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import DTensor, _check_mesh, distribute_storage
@@ -209,6 +210,9 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans:
             if check_rep:
                 with ReplicationTracker(frame, level):
                     outputs = f(*local_args)
+            elif simulated:
+                with BatchingRules(level):
+                    outputs = f(*local_args)
             else:
                 outputs = f(*local_args)
             flat, layouts, tree = _leave(outputs, out_specs, mesh, check_rep, plans[1])
@@ -259,7 +263,8 @@ def _over_devices(per_device, size: int, in_dims, storages):
     _load_decompositions()
     level = _vmap_increment_nesting(size, "different")
     try:
-        outputs = per_device(*[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(storages, in_dims)])
+        inputs = [v if d is None else _add_batch_dim(v, d, level) for v, d in zip(storages, in_dims)]
+        outputs = per_device(*inputs)
         batched = [v is not None and maybe_get_level(v) == level for v in outputs]
         outputs = [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)]
         return outputs, batched
