@@ -293,42 +293,21 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
     shards (simulated) or this rank's shard. On the simulated backend a replicated argument
     enters as one unbatched value, the same on every device."""
     if isinstance(value, DTensor):
-        layout = _layout(mesh, spec, value.ndim, where)
-        if value.device_mesh != mesh:
-            raise MeshError(
-                explain(
-                    f"fd.shard_map({argument})",
-                    "the value lives on another mesh",
-                    expected=repr(mesh),
-                    got=repr(value.device_mesh),
-                    fix="distribute it on the shard_map's mesh",
-                )
-            )
-        if value.layout != layout:
-            raise SpecError(
-                explain(
-                    f"fd.shard_map({argument})",
-                    f"the DTensor's layout does not match its spec {spec}",
-                    expected=f"{layout}",
-                    got=f"{value.layout}",
-                    fix=f"call fd.redistribute(x, {spec}) first, or change the spec",
-                )
-            )
-        check_divisible(layout, tuple(value.shape), where=where)
+        layout = _checked_layout(mesh, spec, value.layout, value.shape, where, argument)
         if mesh.backend == "simulated" and layout.is_replicated:
             one = value._replica if value._replica is not None else value._storage[0]
             return _replicated(one, mesh, check_rep), False
         storage = value._storage
     elif isinstance(value, torch.Tensor):
-        layout = _layout(mesh, spec, value.dim(), where)
-        check_divisible(layout, tuple(value.shape), where=where)
-        if layout.is_replicated:  # every device's block is the whole value
+        layout = _checked_layout(mesh, spec, None, value.shape, where, argument)
+        if value.device.type != mesh.device_type:
             value = value.to(mesh.device_type)
+        if layout.is_replicated:  # every device's block is the whole value
             if mesh.backend == "simulated":
                 return _replicated(value, mesh, check_rep), False
             storage = value
         else:
-            storage = distribute_storage(value.to(mesh.device_type), layout)
+            storage = distribute_storage(value, layout)
     else:
         raise InputTypeError(
             explain(
@@ -344,6 +323,36 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
     return storage, True
 
 
+@functools.lru_cache(maxsize=1024)
+def _checked_layout(mesh: DeviceMesh, spec: P, value_layout, shape, where: str, argument: str) -> Layout:
+    """The layout ``spec`` gives an argument of ``shape`` (``value_layout``: a DTensor's own,
+    which must match it; None for a tensor), checked once per distinct argument."""
+    layout = _layout(mesh, spec, len(shape), where)
+    if value_layout is not None:
+        if value_layout.mesh != mesh:
+            raise MeshError(
+                explain(
+                    f"fd.shard_map({argument})",
+                    "the value lives on another mesh",
+                    expected=repr(mesh),
+                    got=repr(value_layout.mesh),
+                    fix="distribute it on the shard_map's mesh",
+                )
+            )
+        if value_layout != layout:
+            raise SpecError(
+                explain(
+                    f"fd.shard_map({argument})",
+                    f"the DTensor's layout does not match its spec {spec}",
+                    expected=f"{layout}",
+                    got=f"{value_layout}",
+                    fix=f"call fd.redistribute(x, {spec}) first, or change the spec",
+                )
+            )
+    check_divisible(layout, tuple(shape), where=where)
+    return layout
+
+
 def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch.Tensor:
     """A replicated argument on the simulated backend: one unbatched value. Unchecked, its
     gradient is the sum of every device's contribution, which broadcasting computes; counted
@@ -356,7 +365,9 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
 def _exit_plan(out_specs, outputs, tree):
     """What ``out_specs`` says of each leaf of one output structure: the specs and paths."""
     specs = tree.flatten_up_to(_broadcast(out_specs, outputs, "out_specs"))
-    return specs, [accessor.codify("out_specs") for accessor in tree.accessors()]
+    wheres = [f"fd.shard_map({accessor.codify('out_specs')})" for accessor in tree.accessors()]
+    axes = [None if spec is None else frozenset(spec.axis_names) for spec in specs]
+    return specs, wheres, axes
 
 
 def _cached(plans: dict, treedef, make):
@@ -374,12 +385,12 @@ def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool, plans: dict):
     leaves, tree = optree.tree_flatten(outputs, none_is_leaf=True, namespace=NAMESPACE)
     plan = _cached(plans, tree, lambda: _exit_plan(out_specs, outputs, tree))
     flat, layouts = [], []
-    for value, spec, path in zip(leaves, *plan):
+    for value, spec, where, allowed in zip(leaves, *plan):
         if spec is None or value is None:
             if value is not None and spec is None:
                 raise SpecError(
                     explain(
-                        f"fd.shard_map({path})",
+                        where,
                         "every output needs a spec",
                         expected="an fd.P for each output tensor",
                         got="None",
@@ -392,23 +403,23 @@ def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool, plans: dict):
         if not isinstance(value, torch.Tensor):
             raise InputTypeError(
                 explain(
-                    f"fd.shard_map({path})",
+                    where,
                     "the per-device function must return local tensors",
                     expected="a torch.Tensor",
                     got=type(value).__name__,
                     fix="return tensors; compute other values outside shard_map",
                 )
             )
-        layout = _layout(mesh, spec, value.dim(), f"fd.shard_map({path})")
+        layout = _layout(mesh, spec, value.dim(), where)
         if check_rep:
-            allowed = frozenset(spec.axis_names)
-            extra = axes_varying(value) - allowed
+            varying = axes_varying(value)
+            extra = varying - allowed
             if extra:
                 names = tuple(sorted(extra, key=mesh.axis_position))
                 shown = repr(names[0]) if len(names) == 1 else repr(names)
                 raise SpecError(
                     explain(
-                        f"fd.shard_map({path})",
+                        where,
                         f"{spec} claims the output is replicated over {names}, "
                         "but the function does not guarantee it",
                         expected=f"an output that does not vary over {names}",
@@ -417,7 +428,7 @@ def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool, plans: dict):
                         "or pass check_rep=False",
                     )
                 )
-            missing = tuple(a for a in spec.axis_names if a not in axes_varying(value))
+            missing = () if allowed <= varying else tuple(a for a in spec.axis_names if a not in varying)
             if missing:
                 value = pvary(value, missing)
         flat.append(value)
