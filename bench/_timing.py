@@ -36,11 +36,13 @@ def interleaved(
     warmup: int,
     seed: int = 0,
     before_each: Callable[[], object] | None = None,
+    calls: int = 1,
 ) -> dict[str, Samples]:
     """Seconds per call of each step, the steps run in a fresh shuffled order each repetition.
 
     ``seed`` fixes the orders, so that every rank of a distributed run agrees on them;
-    ``before_each`` runs untimed before every call (a barrier, for instance).
+    ``before_each`` runs untimed before every sample (a barrier, for instance); a sample is
+    ``calls`` back-to-back calls of the step, and records their mean.
     """
     for step in steps.values():
         for _ in range(warmup):
@@ -53,11 +55,13 @@ def interleaved(
         for name in order:
             if before_each is not None:
                 before_each()
+            step = steps[name]
             start, start_cpu = time.perf_counter(), time.process_time()
-            steps[name]()
+            for _ in range(calls):
+                step()
             cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
-            times[name].wall.append(wall)
-            times[name].cpu.append(cpu)
+            times[name].wall.append(wall / calls)
+            times[name].cpu.append(cpu / calls)
     return times
 
 

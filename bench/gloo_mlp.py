@@ -5,7 +5,8 @@
 The MLP of ``simulated_mlp.py`` (x ``(64, 512)``, w1 ``(512, 2048)`` split on its columns,
 w2 ``(2048, 512)`` split on its rows, ``y = relu(x @ w1) @ w2`` summed over the ranks), the
 step being forward, then backward of a fixed cotangent into x and the local weight shards.
-Variants, interleaved in one loop, with a barrier before each timed step:
+Variants, interleaved in one loop; a sample is ``--calls`` (default 5) back-to-back steps, as a
+training loop runs them, with a barrier before each sample:
 
 * ``hand-written``: ``torch.distributed._functional_collectives`` as Megatron does: x goes
   through identity-forward / all_reduce-backward, the row-parallel output through
@@ -164,6 +165,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few repetitions only")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--calls", type=int, default=5, help="back-to-back steps per timed sample")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -187,7 +189,7 @@ def main():
     for name in ("fd.shard_map", "fd.shard_map, check_rep=False", "DTensor TP"):
         check(name, snapshot(steps[name]), reference, rank)
 
-    times = interleaved(steps, reps=reps, warmup=3, before_each=dist.barrier)
+    times = interleaved(steps, reps=reps, warmup=3, before_each=dist.barrier, calls=args.calls)
     wall = {name: median_ms(t.wall) for name, t in times.items()}
     cpu = {name: median_ms(t.cpu) for name, t in times.items()}
     slowest = torch.tensor(list(wall.values()))  # each variant's median on the slowest rank
@@ -207,7 +209,7 @@ def main():
         ]
         print_table(
             f"TP MLP fwd+bwd on {world} gloo ranks (batch {BATCH}, dim {DIM}, hidden {HIDDEN}): "
-            f"medians of {reps} interleaved reps, 1 thread per rank",
+            f"medians of {reps} interleaved samples of {args.calls} steps, 1 thread per rank",
             [
                 "variant",
                 "rank 0 ms",
