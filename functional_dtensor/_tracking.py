@@ -58,14 +58,14 @@ _IN_PLACE = {
 }
 
 
-def _tensors(args, kwargs):
-    for value in (*args, *kwargs.values()):
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    found = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, torch.Tensor):
-            yield value
+            found.append(value)
         elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
+            found += [item for item in value if isinstance(item, torch.Tensor)]
+    return found
 
 
 class ReplicationTracker(TorchFunctionMode):

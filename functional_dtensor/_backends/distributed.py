@@ -95,13 +95,15 @@ def torch_mesh(mesh: DeviceMesh):
 
 def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
     """The process group over ``axes`` (ranks in mesh order) that holds this rank."""
-    key = (mesh, tuple(sorted(axes, key=mesh.axis_position)))
-    found = _groups.get(key)
+    found = _groups.get((mesh, axes))  # also keyed by the axes as given: no sort on the hot path
     if found is None:
-        tm = torch_mesh(mesh)
-        names = key[1]
-        found = tm.get_group(names[0]) if len(names) == 1 else tm[names]._flatten().get_group()
-        _groups[key] = found
+        names = tuple(sorted(axes, key=mesh.axis_position))
+        found = _groups.get((mesh, names))
+        if found is None:
+            tm = torch_mesh(mesh)
+            found = tm.get_group(names[0]) if len(names) == 1 else tm[names]._flatten().get_group()
+            _groups[(mesh, names)] = found
+        _groups[(mesh, axes)] = found
     return found
 
 

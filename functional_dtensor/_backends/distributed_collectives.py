@@ -71,9 +71,18 @@ def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
 def all_reduce_in_place(tensor: torch.Tensor, *, op, group) -> None:
     """``dist.all_reduce`` on the process group itself, without the wrapper's checks (the
     groups are the library's, the tensor a fresh contiguous one): the hot path of psum."""
-    options = dist.AllreduceOptions()
-    options.reduceOp = op
-    group.allreduce([tensor], options).wait()
+    group.allreduce([tensor], _allreduce_options(op)).wait()
+
+
+_OPTIONS: dict = {}
+
+
+def _allreduce_options(op) -> dist.AllreduceOptions:
+    options = _OPTIONS.get(op)
+    if options is None:
+        options = _OPTIONS[op] = dist.AllreduceOptions()
+        options.reduceOp = op
+    return options
 
 
 def _all_gather(x: torch.Tensor, size: int, group) -> torch.Tensor:
