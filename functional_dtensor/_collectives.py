@@ -37,14 +37,13 @@ from torch._C._functorch import (
     is_functorch_wrapped_tensor,
     maybe_current_level,
     maybe_get_level,
-    pop_dynamic_layer_stack,
-    push_dynamic_layer_stack,
 )
 
 from . import _autograd as autograd
 from . import _comm_log as comm_log
 from ._backends import distributed_collectives as on_ranks
 from ._backends import simulated_collectives as stacked_ops
+from ._backends.simulated_batching import below_device_level
 from ._context import Frame, frame_for
 from ._errors import InputTypeError, ShapeError, explain
 from ._varying import axes_varying, tag
@@ -146,15 +145,6 @@ def _run_stacked(x: torch.Tensor, op: _Op) -> torch.Tensor:
     return autograd.apply(_Collective, x, op, True)
 
 
-def _below_device_level(x: torch.Tensor, op: _Op) -> torch.Tensor:
-    """Run ``op`` on stacked values with the device vmap (the innermost transform) popped."""
-    saved = pop_dynamic_layer_stack()
-    try:
-        return _run_stacked(x, op)
-    finally:
-        push_dynamic_layer_stack(saved)
-
-
 class _Replicate(torch.autograd.Function):
     """A value that is the same on every device, as stacked copies (an expand view). Backward:
     along the mesh axes at positions ``summed`` the copies' cotangents are contributions and are
@@ -206,14 +196,10 @@ def on_devices(x: torch.Tensor, frame: Frame) -> torch.Tensor:
     varying = axes_varying(x)
     summed = tuple([a for a, name in enumerate(mesh.axis_names) if not frame.check_rep or name in varying])
     if maybe_current_level() == level:
-        saved = pop_dynamic_layer_stack()
-        try:
-            if len(summed) == mesh.ndim:  # expand's own backward sums the copies
-                stacked = x.expand(mesh.size, *x.shape)
-            else:
-                stacked = autograd.apply(_Replicate, x, mesh.shape, summed)
-        finally:
-            push_dynamic_layer_stack(saved)
+        if len(summed) == mesh.ndim:  # expand's own backward sums the copies
+            stacked = below_device_level(x.expand, mesh.size, *x.shape)
+        else:
+            stacked = below_device_level(autograd.apply, _Replicate, x, mesh.shape, summed)
         return _add_batch_dim(stacked, 0, level)
     # under a transform of the user's inside the per-device function: the same, with ops
     first = _first_copies(mesh, summed, str(x.device))
@@ -248,13 +234,13 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
             and axes_varying(x) | set(op.axes) == set(op.frame.mesh.axis_names)
             and not _batched_at(x, level)
         ):
-            return _below_device_level(x, VaryUnbatched(op.frame, op.axes))
+            return below_device_level(_run_stacked, x, VaryUnbatched(op.frame, op.axes))
         x = on_devices(x, op.frame)
         if direct and maybe_get_level(x) == level:
             value, batch_dim = _unwrap_batched(x, level)
             if type(op) is AllReduce and op.size == op.frame.mesh.size:
                 op = _ReduceAll(op.frame, op.axes, op.op, op.transpose_psum)
-            out = _below_device_level(value.movedim(batch_dim, 0), op)
+            out = below_device_level(_run_stacked, value.movedim(batch_dim, 0), op)
             return _add_batch_dim(out, 0, level) if op.keeps_device_dim else out
         return autograd.apply(_Collective, x, op, False)
 

@@ -57,10 +57,8 @@ class DTensor:
     def _of_replica(cls, value: torch.Tensor, layout: Layout) -> DTensor:
         """Internal: a replicated value held once (its storage is built when first needed), as
         a simulated ``shard_map`` returns a value that is the same on every device."""
-        out = cls.__new__(cls)
-        fields = {"_stored": None, "_replica": value, "_layout": layout, "_shape": value.shape}
-        for name, field in fields.items():
-            object.__setattr__(out, name, field)
+        out = cls(None, layout, value.shape)
+        object.__setattr__(out, "_replica", value)
         return out
 
     @property

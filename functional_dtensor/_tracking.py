@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._C._functorch import maybe_current_level, maybe_get_level
 from torch.overrides import TorchFunctionMode
 
-from ._backends.simulated_batching import RULES
+from ._backends.simulated_batching import by_rule
 from ._collectives import on_devices, pvary
 from ._context import Frame
 from ._errors import FunctionalDTensorError, explain
@@ -98,9 +98,8 @@ class ReplicationTracker(TorchFunctionMode):
         if self.frame.device_level is not None and varying != self.all_axes and len(found) > 1:
             args, kwargs = self._lift_inputs(func, args, kwargs)
         out = None
-        rule = RULES.get(func)
-        if rule is not None and self.frame.device_level is not None:
-            out = rule(self.frame.device_level, args, kwargs)
+        if self.frame.device_level is not None:
+            out = by_rule(func, self.frame.device_level, args, kwargs)
         if out is None:
             out = func(*args, **kwargs)
         if varying:

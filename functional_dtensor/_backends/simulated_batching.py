@@ -7,8 +7,8 @@ column-split weight is a view of it), the rule runs that one matmul and views it
 device. Functorch's rule instead runs ``x`` against a batch of blocks, whose 2-D @ 3-D matmul
 transposes its result into a copy; its backward copies again.
 
-Each rule takes the device vmap level and the op's arguments (the device level the innermost
-transform) and returns the batched result, or ``None`` where it does not apply.
+Each rule in :data:`RULES` takes the device vmap level and the op's arguments (the device level
+the innermost transform) and returns the batched result, or ``None`` where it does not apply.
 """
 
 from __future__ import annotations
@@ -23,7 +23,17 @@ from torch._C._functorch import (
 )
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RULES", "BatchingRules"]
+__all__ = ["below_device_level", "by_rule", "BatchingRules"]
+
+
+def below_device_level(fn, *args):
+    """``fn(*args)`` with the device vmap level (the innermost transform) popped: on the
+    stacked values themselves, below the per-device view."""
+    saved = pop_dynamic_layer_stack()
+    try:
+        return fn(*args)
+    finally:
+        push_dynamic_layer_stack(saved)
 
 
 def _replicated_times_blocks(level: int, args, kwargs, *, matrix_only: bool):
@@ -44,11 +54,7 @@ def _replicated_times_blocks(level: int, args, kwargs, *, matrix_only: bool):
     k, n, m = blocks.shape
     if blocks.stride(1) != m * blocks.stride(2):  # the device dim does not fold into the columns
         return None
-    saved = pop_dynamic_layer_stack()
-    try:
-        out = torch.matmul(x, blocks.reshape(k, n * m)).unflatten(-1, (n, m))
-    finally:
-        push_dynamic_layer_stack(saved)
+    out = below_device_level(lambda: torch.matmul(x, blocks.reshape(k, n * m)).unflatten(-1, (n, m)))
     return _add_batch_dim(out, out.dim() - 2, level)
 
 
@@ -69,6 +75,12 @@ RULES = {
 }
 
 
+def by_rule(func, level: int, args, kwargs):
+    """``func(*args, **kwargs)`` computed by its rule, or ``None`` where no rule applies."""
+    rule = RULES.get(func)
+    return None if rule is None else rule(level, args, kwargs)
+
+
 class BatchingRules(TorchFunctionMode):
     """Apply :data:`RULES` to the ops of a per-device function running at the device ``level``
     (the replication tracker applies them itself)."""
@@ -79,9 +91,5 @@ class BatchingRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        rule = RULES.get(func)
-        if rule is not None:
-            out = rule(self.level, args, kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+        out = by_rule(func, self.level, args, kwargs)
+        return func(*args, **kwargs) if out is None else out

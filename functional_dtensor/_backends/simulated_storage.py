@@ -98,7 +98,7 @@ def _stack_steps(layout: Layout, shape: tuple[int, ...]):
         return None
     n, local = layout.mesh.size, table.padded_shape
     if layout.is_replicated:
-        return _steps(shape, [(torch.Tensor.expand, (n, *shape))])
+        return ((torch.Tensor.expand, (n, *shape)),)
     view, order, blocks, expanded = _split_recipe(layout, local)
     ops = [(torch.Tensor.reshape, view), (torch.Tensor.permute, order)]
     if not layout.is_fully_sharded:
