@@ -58,6 +58,7 @@ __all__ = [
     "all_to_all",
     "ppermute",
     "pvary",
+    "vary",
     "axis_index",
     "axis_size",
 ]
@@ -225,8 +226,12 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
         return _run_stacked(x, op)
     level = op.frame.device_level
     with torch._C.DisableTorchFunction():
-        if level is None:
-            return autograd.apply(_Collective, x, op, False)
+        if level is None:  # the distributed backend
+            if _differentiated(x):
+                return autograd.apply(_Collective, x, op, False)
+            _log(op, x, False)  # a transpose in backward, or no gradient wanted: just run it
+            out = op.run_local(x)
+            return x.view_as(x) if out is x else out
         direct = maybe_current_level() == level
         if (
             direct
@@ -243,6 +248,15 @@ def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
             out = below_device_level(_run_stacked, value.movedim(batch_dim, 0), op)
             return _add_batch_dim(out, 0, level) if op.keeps_device_dim else out
         return autograd.apply(_Collective, x, op, False)
+
+
+def _differentiated(x: torch.Tensor) -> bool:
+    """Whether autograd (or a ``torch.func`` transform, or the compiler) may see ``x``."""
+    return (
+        (x.requires_grad and torch.is_grad_enabled())
+        or torch._C._are_functorch_transforms_active()
+        or torch.compiler.is_compiling()
+    )
 
 
 def on_storage(
@@ -305,6 +319,11 @@ def pvary(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     meet when ``check_rep`` is on.
     """
     frame, axes = frame_for(axis_name, "fd.pvary")
+    return vary(x, frame, axes)
+
+
+def vary(x: torch.Tensor, frame: Frame, axes: tuple[str, ...]) -> torch.Tensor:
+    """:func:`pvary` in a known frame, over checked axes (as the tracker inserts it)."""
     out = _apply(x, Pvary(frame, axes))
     return tag(out, (axes_varying(x) | set(axes)) if frame.check_rep else None)
 

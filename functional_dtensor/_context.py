@@ -8,7 +8,6 @@ backend the functorch vmap level that carries the device dimension.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ._errors import AxisNameError, explain
@@ -36,15 +35,20 @@ def _stack() -> list[Frame]:
     return frames
 
 
-@contextmanager
-def bound_axes(frame: Frame):
-    """Bind the axes of ``frame.mesh`` while the body runs."""
-    frames = _stack()
-    frames.append(frame)
-    try:
-        yield frame
-    finally:
-        frames.pop()
+class bound_axes:
+    """Bind the axes of ``frame.mesh`` while the body runs (``with bound_axes(frame): ...``)."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+
+    def __enter__(self) -> Frame:
+        _stack().append(self.frame)
+        return self.frame
+
+    def __exit__(self, *exc) -> None:
+        _local.frames.pop()
 
 
 def current_frame() -> Frame | None:
@@ -54,8 +58,11 @@ def current_frame() -> Frame | None:
 
 def frame_for(axis_name, where: str) -> tuple[Frame, tuple[str, ...]]:
     """The frame that binds ``axis_name`` (a name or a tuple of names) and the names."""
+    frames = getattr(_local, "frames", None)
+    frame = frames[-1] if frames else None
+    if frame is not None and isinstance(axis_name, str) and axis_name in frame.mesh.axis_names:
+        return frame, (axis_name,)  # the common case, checked cheaply
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    frame = current_frame()
     if frame is None:
         raise AxisNameError(
             explain(

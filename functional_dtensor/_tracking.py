@@ -16,10 +16,10 @@ from torch._C._functorch import maybe_current_level, maybe_get_level
 from torch.overrides import TorchFunctionMode
 
 from ._backends.simulated_batching import by_rule
-from ._collectives import on_devices, pvary
+from ._collectives import on_devices, vary
 from ._context import Frame
 from ._errors import FunctionalDTensorError, explain
-from ._varying import axes_varying, tag
+from ._varying import ATTRIBUTE, NO_AXES, axes_varying
 
 __all__ = ["ReplicationTracker"]
 
@@ -76,10 +76,13 @@ class ReplicationTracker(TorchFunctionMode):
         self.frame = frame
         self.all_axes = frozenset(frame.mesh.axis_names)
         self.level = level  # the functorch level the per-device function runs at
+        self.device_level = frame.device_level  # simulated backend: the level of the device dim
+        self.compiling = torch.compiler.is_compiling()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not torch.compiler.is_compiling() and maybe_current_level() != self.level:
+        if kwargs is None:
+            kwargs = {}
+        if not self.compiling and maybe_current_level() != self.level:
             raise FunctionalDTensorError(
                 explain(
                     "fd.shard_map(check_rep=True)",
@@ -89,33 +92,39 @@ class ReplicationTracker(TorchFunctionMode):
                     fix="pass check_rep=False, or apply the transform outside shard_map",
                 )
             )
-        found = [axes_varying(t) for t in _tensors(args, kwargs)]
-        varying = frozenset().union(*found) if found else frozenset()
+        tensors = _tensors(args, kwargs)
+        varying, mixed = NO_AXES, False
+        if tensors:
+            varying = axes_varying(tensors[0])
+            for tensor in tensors:
+                axes = axes_varying(tensor)
+                if axes != varying:
+                    mixed, varying = True, varying | axes
         if func in _RANDOM:
             varying = self.all_axes
-        elif varying and any(v != varying for v in found):
+        elif mixed:
             args, kwargs = self._pvary_inputs(func, args, kwargs, varying)
-        if self.frame.device_level is not None and varying != self.all_axes and len(found) > 1:
-            args, kwargs = self._lift_inputs(func, args, kwargs)
         out = None
-        if self.frame.device_level is not None:
-            out = by_rule(func, self.frame.device_level, args, kwargs)
+        if self.device_level is not None:
+            if varying != self.all_axes and len(tensors) > 1:
+                args, kwargs = self._lift_inputs(func, args, kwargs)
+            out = by_rule(func, self.device_level, args, kwargs)
         if out is None:
             out = func(*args, **kwargs)
         if varying:
             if isinstance(out, torch.Tensor):
-                tag(out, varying)
+                setattr(out, ATTRIBUTE, varying)
             elif isinstance(out, (tuple, list)):
                 for item in out:
                     if isinstance(item, torch.Tensor):
-                        tag(item, varying)
+                        setattr(item, ATTRIBUTE, varying)
         return out
 
     def _lift_inputs(self, func, args, kwargs):
         """On the simulated backend, where values the same on every device meet per-device
         values, make them per-device copies first: broadcasting alone would sum their gradient
         over the devices along which they are replicated."""
-        level = self.frame.device_level
+        level = self.device_level
         levels = [maybe_get_level(t) == level for t in _tensors(args, kwargs)]
         if all(levels) or not any(levels):
             return args, kwargs
@@ -130,19 +139,20 @@ class ReplicationTracker(TorchFunctionMode):
 
         return tuple(lift(a, i) for i, a in enumerate(args)), {k: lift(v, -1) for k, v in kwargs.items()}
 
-    @staticmethod
-    def _pvary_inputs(func, args, kwargs, varying):
+    def _pvary_inputs(self, func, args, kwargs, varying):
         in_place = func in _IN_PLACE
+        frame = self.frame
 
         def lift(value, position):
             if isinstance(value, torch.Tensor):
                 missing = varying - axes_varying(value)
                 if missing and not (in_place and position == 0):
-                    return pvary(value, tuple(sorted(missing)))
+                    return vary(value, frame, tuple(sorted(missing)))
             elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
                 return type(value)(lift(v, -1) for v in value)
             return value
 
-        args = tuple(lift(a, i) for i, a in enumerate(args))
-        kwargs = {k: lift(v, -1) for k, v in kwargs.items()}
+        args = tuple([lift(a, i) for i, a in enumerate(args)])
+        if kwargs:
+            kwargs = {k: lift(v, -1) for k, v in kwargs.items()}
         return args, kwargs

@@ -186,6 +186,59 @@ def test_catalogue_on_gloo_matches_simulated(config, name, gloo):  # noqa: F811
     check_against_simulated(config, name, None, zlib.crc32(f"{config}:{name}".encode()) % 1000, gloo)
 
 
+def job_no_grad(shape, names, axes, name, seed) -> dict:
+    """A catalogue case run with and without autograd: without, the collectives run directly."""
+    mesh = _gloo_mesh(shape, names)
+    with_grad = run_case(mesh, axes, name, None, seed)
+    case = pick(mesh, axes, name, None, "catalogue")
+    inputs = [t.requires_grad_() for t in global_inputs(case, seed=seed)]
+    mapped = fd.shard_map(case.f, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    with torch.no_grad(), fd.CommDebugMode() as comm:
+        out = mapped(*inputs)
+        full = out.full_tensor()
+    return {
+        "with_grad": with_grad,
+        "full": full,
+        "requires_grad": out.requires_grad,
+        "forward": _events(comm),
+    }
+
+
+NO_GRAD_CASES = ["psum", "pmax", "all_gather then psum_scatter", "ppermute ring", "mlp"]
+
+
+@pytest.mark.parametrize("name", NO_GRAD_CASES)
+@pytest.mark.parametrize("config", ["2:x", "2x2:xy"])
+def test_no_grad_matches_grad_on_gloo(config, name, gloo):  # noqa: F811
+    world, shape, names, axes = CONFIGS[config]
+    for rank, got in enumerate(gloo.run(world, job_no_grad, shape, names, axes, name, 3)):
+        assert not got["requires_grad"], rank
+        _close(got["full"], got["with_grad"]["full"], f"rank {rank}: no_grad value vs with grad")
+        assert got["forward"] == got["with_grad"]["forward"], f"rank {rank}: collectives differ"
+
+
+def job_pvary_leaves_its_input() -> list:
+    from functional_dtensor._varying import axes_varying
+
+    mesh = _gloo_mesh((2,), ("x",))
+    seen = []
+
+    def f(v):
+        w = fd.pvary(v, "x")
+        seen.append((axes_varying(v), axes_varying(w), w is v))
+        return fd.psum(w, "x")
+
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            fd.shard_map(f, mesh=mesh, in_specs=fd.P(), out_specs=fd.P())(torch.ones(2, requires_grad=True))
+    return seen
+
+
+def test_pvary_returns_a_new_value_on_gloo(gloo):  # noqa: F811
+    for got in gloo.run(2, job_pvary_leaves_its_input):
+        assert got == [(frozenset(), frozenset({"x"}), False)] * 2
+
+
 UNCHECKED = ["psum", "pmax", "psum of replicated", "all_gather", "psum_scatter tiled", "all_to_all"]
 UNCHECKED += ["ppermute ring", "tensor-parallel matmul + psum", "mlp"]
 
