@@ -21,7 +21,7 @@ P(('x', 'y'))
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from ._errors import InputTypeError, LayoutError, MeshError, explain
@@ -40,6 +40,7 @@ class Layout:
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
+    _hash: int = field(init=False, repr=False, compare=False, default=0)  # layouts key many caches
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -54,6 +55,13 @@ class Layout:
             )
         placements = _checked_placements(self.mesh, self.placements, "fd.Layout(placements)")
         object.__setattr__(self, "placements", placements)
+        object.__setattr__(self, "_hash", hash((self.mesh, placements)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (Layout, (self.mesh, self.placements))
 
     @classmethod
     def from_spec(cls, mesh: DeviceMesh, spec: P, *, where: str = "fd.Layout.from_spec") -> Layout:

@@ -46,6 +46,7 @@ class DeviceMesh:
     device_type: str = "cpu"
     backend: Backend = "simulated"
     device_ids: tuple[int, ...] = field(default=())
+    _hash: int = field(init=False, repr=False, compare=False, default=0)  # meshes key many caches
 
     def __post_init__(self) -> None:
         shape = _as_tuple(self.shape)
@@ -128,6 +129,14 @@ class DeviceMesh:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "device_ids", ids)
+        object.__setattr__(self, "_hash", hash((shape, names, self.device_type, self.backend, ids)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt from the fields: the cached hash of str fields differs between processes
+        return (DeviceMesh, (self.shape, self.axis_names, self.device_type, self.backend, self.device_ids))
 
     def __repr__(self) -> str:
         fields = [f"shape={self.shape!r}", f"axis_names={self.axis_names!r}"]
