@@ -282,12 +282,10 @@ def _call(x, axis_name, where: str, make_op) -> torch.Tensor:
             )
         )
     op = make_op(frame, axes)
-    varying = axes_varying(x)
-    if frame.check_rep and not set(axes) <= varying and op.needs_varying:
-        varying = varying | set(axes)
-        x = tag(_apply(x, Pvary(frame, tuple(a for a in axes if a not in axes_varying(x)))), varying)
+    if frame.check_rep and op.needs_varying and not set(axes) <= axes_varying(x):
+        x = vary(x, frame, tuple(a for a in axes if a not in axes_varying(x)))
     out = _apply(x, op)
-    return tag(out, op.varying(frozenset(varying)) if frame.check_rep else None)
+    return tag(out, op.varying(axes_varying(x)) if frame.check_rep else None)
 
 
 # --- pvary: a replicated value seen as varying ----------------------------------------------

@@ -58,8 +58,7 @@ def current_frame() -> Frame | None:
 
 def frame_for(axis_name, where: str) -> tuple[Frame, tuple[str, ...]]:
     """The frame that binds ``axis_name`` (a name or a tuple of names) and the names."""
-    frames = getattr(_local, "frames", None)
-    frame = frames[-1] if frames else None
+    frame = current_frame()
     if frame is not None and isinstance(axis_name, str) and axis_name in frame.mesh.axis_names:
         return frame, (axis_name,)  # the common case, checked cheaply
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

@@ -19,7 +19,7 @@ from ._backends.simulated_batching import by_rule
 from ._collectives import on_devices, vary
 from ._context import Frame
 from ._errors import FunctionalDTensorError, explain
-from ._varying import ATTRIBUTE, NO_AXES, axes_varying
+from ._varying import axes_varying, tag
 
 __all__ = ["ReplicationTracker"]
 
@@ -93,7 +93,7 @@ class ReplicationTracker(TorchFunctionMode):
                 )
             )
         tensors = _tensors(args, kwargs)
-        varying, mixed = NO_AXES, False
+        varying, mixed = frozenset(), False
         if tensors:
             varying = axes_varying(tensors[0])
             for tensor in tensors:
@@ -113,11 +113,11 @@ class ReplicationTracker(TorchFunctionMode):
             out = func(*args, **kwargs)
         if varying:
             if isinstance(out, torch.Tensor):
-                setattr(out, ATTRIBUTE, varying)
+                tag(out, varying)
             elif isinstance(out, (tuple, list)):
                 for item in out:
                     if isinstance(item, torch.Tensor):
-                        setattr(item, ATTRIBUTE, varying)
+                        tag(item, varying)
         return out
 
     def _lift_inputs(self, func, args, kwargs):
@@ -129,30 +129,30 @@ class ReplicationTracker(TorchFunctionMode):
         if all(levels) or not any(levels):
             return args, kwargs
 
-        def lift(value, position):
-            if isinstance(value, torch.Tensor):
-                if maybe_get_level(value) != level and not (func in _IN_PLACE and position == 0):
-                    return on_devices(value, self.frame)
-            elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-                return type(value)(lift(v, -1) for v in value)
-            return value
+        def lift(value):
+            return value if maybe_get_level(value) == level else on_devices(value, self.frame)
 
-        return tuple(lift(a, i) for i, a in enumerate(args)), {k: lift(v, -1) for k, v in kwargs.items()}
+        return _replace_inputs(func, args, kwargs, lift)
 
     def _pvary_inputs(self, func, args, kwargs, varying):
-        in_place = func in _IN_PLACE
-        frame = self.frame
+        def lift(value):
+            missing = varying - axes_varying(value)
+            return vary(value, self.frame, tuple(sorted(missing))) if missing else value
 
-        def lift(value, position):
-            if isinstance(value, torch.Tensor):
-                missing = varying - axes_varying(value)
-                if missing and not (in_place and position == 0):
-                    return vary(value, frame, tuple(sorted(missing)))
-            elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-                return type(value)(lift(v, -1) for v in value)
-            return value
+        return _replace_inputs(func, args, kwargs, lift)
 
-        args = tuple([lift(a, i) for i, a in enumerate(args)])
-        if kwargs:
-            kwargs = {k: lift(v, -1) for k, v in kwargs.items()}
-        return args, kwargs
+
+def _replace_inputs(func, args, kwargs, replace):
+    """``args`` and ``kwargs`` with every tensor (also inside lists and tuples) passed through
+    ``replace``, except the tensor an in-place method writes to."""
+
+    def each(value):
+        if isinstance(value, torch.Tensor):
+            return replace(value)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)([each(v) for v in value])
+        return value
+
+    in_place = func in _IN_PLACE
+    args = tuple([a if in_place and i == 0 else each(a) for i, a in enumerate(args)])
+    return args, ({k: each(v) for k, v in kwargs.items()} if kwargs else kwargs)

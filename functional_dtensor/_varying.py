@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ATTRIBUTE", "NO_AXES", "axes_varying", "tag"]
+__all__ = ["axes_varying", "tag"]
 
-ATTRIBUTE = "_fd_varying"
-NO_AXES: frozenset[str] = frozenset()
+_ATTRIBUTE = "_fd_varying"
+_NONE: frozenset[str] = frozenset()
 
 
 def axes_varying(x: torch.Tensor) -> frozenset[str]:
-    return getattr(x, ATTRIBUTE, NO_AXES)
+    return getattr(x, _ATTRIBUTE, _NONE)
 
 
 def tag(x: torch.Tensor, axes: frozenset[str] | None) -> torch.Tensor:
     """Record that ``x`` varies over ``axes`` (``None``: tracking is off; leave ``x`` alone)."""
-    if axes is not None and (axes or hasattr(x, ATTRIBUTE)):
-        setattr(x, ATTRIBUTE, frozenset(axes))
+    if axes is not None and (axes or hasattr(x, _ATTRIBUTE)):
+        setattr(x, _ATTRIBUTE, frozenset(axes))
     return x
