@@ -6,7 +6,6 @@ same program runs on the simulated backend (every device in one process) and on
 ``torch.distributed``.
 """
 
-from ._backends.distributed import init_device_mesh
 from ._collectives import (
     all_gather,
     all_to_all,
@@ -21,6 +20,7 @@ from ._collectives import (
     pvary,
 )
 from ._comm_debug import CommDebugMode
+from ._distributed.runtime import init_device_mesh
 from ._dtensor import DTensor, distribute_tensor, from_local
 from ._errors import (
     AxisNameError,
@@ -37,7 +37,7 @@ from ._factories import empty, full, ones, rand, randn, zeros
 from ._layout import Layout
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
-from ._redistribute import redistribute
+from ._redistribute import redistribute  # installs DTensor.redistribute
 from ._shard_map import shard_map
 from ._spec import P
 

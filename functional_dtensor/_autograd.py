@@ -1,20 +1,73 @@
-"""Calling ``torch.autograd.Function`` s cheaply.
+"""Autograd plumbing of the collectives: one autograd function that runs any collective, and a
+cheap way to call autograd functions.
 
-``Function.apply`` binds the arguments to ``forward``'s signature on every call when the function
-defines ``setup_context`` (to fill in default arguments, which ours never have): about 20 us a
-call, more than the ops of a small collective. When no ``torch.func`` transform is active and
-nothing is being compiled, the base ``apply`` does the same work without it.
+A collective is described by an op record (see :mod:`._collectives`) with ``run(x)`` (the
+kernel, on storage-form values: a simulated mesh's stacked shards, or a rank's own shard),
+``transpose(g, stacked, saved)`` (its gradient, itself collectives) and ``shifted()`` (the same
+op on values with one more leading dim). :class:`Collective` runs it under autograd and every
+``torch.func`` transform.
+
+``Function.apply`` binds the arguments to ``forward``'s signature on every call when the
+function defines ``setup_context`` (to fill in default arguments, which ours never have): about
+20 us a call, more than the ops of a small collective. :func:`apply` skips that where no
+``torch.func`` transform is active and nothing is being compiled.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["apply"]
+from ._simulated.functorch import current_level, transforms_active
+
+__all__ = ["apply", "Collective", "differentiated"]
 
 
 def apply(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)``, skipping the signature binding where it is not needed."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or transforms_active():
         return function.apply(*args)
     return super(torch.autograd.Function, function).apply(*args)
+
+
+def differentiated(x: torch.Tensor) -> bool:
+    """Whether autograd (or a ``torch.func`` transform, or the compiler) may see ``x``."""
+    return (
+        (x.requires_grad and torch.is_grad_enabled()) or transforms_active() or torch.compiler.is_compiling()
+    )
+
+
+class Collective(torch.autograd.Function):
+    """Run the collective ``op`` on ``x``; ``stacked``: ``x`` carries the simulated device dim
+    in front (storage form), else it is a per-device value.
+
+    Forward runs the kernel; backward runs the op's transpose. Under vmap: at the level of a
+    simulated mesh's device vmap, the batch dim is the device dim, so the op runs once on the
+    stacked values of all devices; at any other level (a user's own vmap) the batch dim moves
+    out of the way and the op runs with its dims shifted.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, op, stacked: bool) -> torch.Tensor:
+        return op.run(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, op, stacked = inputs
+        ctx.op, ctx.stacked = op, stacked
+        if op.saves_input:
+            ctx.save_for_backward(x, output)
+
+    @staticmethod
+    def backward(ctx, g):
+        saved = ctx.saved_tensors if ctx.op.saves_input else ()
+        return ctx.op.transpose(g, ctx.stacked, saved), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, op, stacked: bool):
+        (batch_dim,) = in_dims[:1]
+        level = (current_level() or 0) + 1  # the rule runs one level below its own
+        if not stacked and level == op.frame.device_level:
+            return apply(Collective, x.movedim(batch_dim, 0), op, True), 0
+        front = 1 if stacked else 0
+        out = apply(Collective, x.movedim(batch_dim, front), op.shifted(), stacked)
+        return out, front if op.keeps_device_dim or not stacked else 0

@@ -1,17 +1,11 @@
 """Collectives: explicit, differentiable functional ops over named mesh axes (``jax.lax``
 names and shapes), valid inside :func:`shard_map`.
 
-Each collective is a frozen op record next to its public function: its shape rule, how each
-backend runs it (stacked batched ops on the simulated backend, functional collectives on the
-distributed one), its transpose, and its rule for which mesh axes the result varies over. One
-autograd function runs any op record:
-
-* on the distributed backend, ``forward`` runs the op on the local tensor;
-* on the simulated backend the per-device function runs under ``torch.func.vmap`` over the
-  device dim; the op's vmap rule, at the device level, re-runs the op on the stacked values of
-  all devices at once; at any other vmap level (a user's own vmap) it moves that batch dim out
-  of the way and re-runs the op with its dims shifted;
-* ``backward`` runs the transpose op, so gradients are collectives too, on either backend.
+Each collective is a frozen op record next to its public function: its shape rule, the kernel
+it runs (``run``, through the mesh's backend), its transpose (collectives too, so gradients
+communicate as the forward does), and its rule for which mesh axes the result varies over. The
+backend's engine runs the record on a per-device value (see :mod:`._backend`), under autograd
+through :class:`._autograd.Collective`.
 
 With ``check_rep`` (the default) a value's type includes the set of mesh axes it varies over
 (see :mod:`._varying`); transposes use it: the cotangent of a replicated result is replicated,
@@ -22,28 +16,14 @@ so ``psum`` transposes to a broadcast with no communication. Without it, ``psum`
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch._C._functorch import (
-    _add_batch_dim,
-    _unwrap_batched,
-    get_unwrapped,
-    is_batchedtensor,
-    is_functorch_wrapped_tensor,
-    maybe_current_level,
-    maybe_get_level,
-)
 
-from . import _autograd as autograd
-from . import _comm_log as comm_log
-from ._backends import distributed_collectives as on_ranks
-from ._backends import simulated_collectives as stacked_ops
-from ._backends.simulated_batching import below_device_level
+from . import _blocks as blocks
+from ._backend import backend_of
 from ._context import Frame, frame_for
 from ._errors import InputTypeError, ShapeError, explain
 from ._varying import axes_varying, tag
@@ -77,15 +57,12 @@ class _Op:
     axes: tuple[str, ...]
     saves_input: ClassVar[bool] = False
     needs_varying: ClassVar[bool] = True  # run on values that vary over the axes (pvary first)
-    keeps_device_dim: ClassVar[bool] = True  # run_stacked returns (n, ...), not one value
-    name: ClassVar[str] = ""  # the collective it runs, as counted by CommDebugMode
-    # run_stacked's own autograd is the transpose, with nothing to count (no Function needed)
+    keeps_device_dim: ClassVar[bool] = True  # on stacked values, the result keeps the device dim
+    # the kernel's own autograd is the transpose, with nothing to count (no autograd function)
     native: ClassVar[bool] = False
 
-    def run_stacked(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run_local(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel, on storage-form values (stacked shards, or this rank's)."""
         raise NotImplementedError
 
     def transpose(self, g: torch.Tensor, stacked: bool, saved) -> torch.Tensor:
@@ -99,173 +76,34 @@ class _Op:
         """The axes the result varies over, given those the input varies over."""
         return axes
 
+    def on_unbatched(self, x: torch.Tensor) -> _Op | None:
+        """The op to run on ``x``, a value held once for every simulated device, that keeps it
+        held once (None: ``x`` becomes per-device copies first)."""
+        return None
+
+    def held_once(self) -> _Op:
+        """The op to run on the stacked values of every simulated device (a variant whose
+        result is held once, where it is the same on every device)."""
+        return self
+
     @property
     def size(self) -> int:
         return self.frame.mesh.axis_size(self.axes)
 
 
-def _log(op: _Op, x: torch.Tensor, stacked: bool) -> None:
-    if op.name and not torch.compiler.is_compiling() and comm_log.active():
-        per_device = x.numel() // (x.shape[0] if stacked else 1) * x.element_size()
-        comm_log.record(op.name, op.axes, per_device)
-
-
-class _Collective(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, op: _Op, stacked: bool) -> torch.Tensor:
-        _log(op, x, stacked)
-        return op.run_stacked(x) if stacked else op.run_local(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, op, stacked = inputs
-        ctx.op, ctx.stacked = op, stacked
-        if op.saves_input:
-            ctx.save_for_backward(x, output)
-
-    @staticmethod
-    def backward(ctx, g):
-        saved = ctx.saved_tensors if ctx.op.saves_input else ()
-        return ctx.op.transpose(g, ctx.stacked, saved), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, op: _Op, stacked: bool):
-        (batch_dim,) = in_dims[:1]
-        level = (maybe_current_level() or 0) + 1  # the rule runs one level below its own
-        if not stacked and level == op.frame.device_level:
-            return _Collective.apply(x.movedim(batch_dim, 0), op, True), 0
-        front = 1 if stacked else 0
-        out = _Collective.apply(x.movedim(batch_dim, front), op.shifted(), stacked)
-        return out, front if op.keeps_device_dim or not stacked else 0
-
-
-def _run_stacked(x: torch.Tensor, op: _Op) -> torch.Tensor:
-    if op.native:
-        _log(op, x, True)
-        return op.run_stacked(x)
-    return autograd.apply(_Collective, x, op, True)
-
-
-class _Replicate(torch.autograd.Function):
-    """A value that is the same on every device, as stacked copies (an expand view). Backward:
-    along the mesh axes at positions ``summed`` the copies' cotangents are contributions and are
-    summed; along the others the value is replicated, every copy's cotangent is already the
-    whole one, and the copy at coordinate 0 is taken."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, mesh_shape, summed):
-        return x.expand(math.prod(mesh_shape), *x.shape)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mesh_shape, ctx.summed = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        blocks = g.reshape(*ctx.mesh_shape, *g.shape[1:])
-        for axis in range(len(ctx.mesh_shape)):
-            if axis in ctx.summed:
-                blocks = blocks.sum(axis, keepdim=True)
-            else:
-                blocks = blocks.narrow(axis, 0, 1)
-        return blocks.reshape(g.shape[1:]), None, None
-
-
-def _batched_at(x: torch.Tensor, level: int) -> bool:
-    while is_functorch_wrapped_tensor(x):
-        current = maybe_get_level(x)
-        if current == level:
-            return is_batchedtensor(x)
-        if current < level:
-            return False
-        x = get_unwrapped(x)
-    return False
-
-
-def on_devices(x: torch.Tensor, frame: Frame) -> torch.Tensor:
-    """``x`` as per-device values of the simulated mesh. A value that is not batched over the
-    devices (created inside the per-device function, captured, or replicated) is the same on
-    every device: it becomes stacked copies (a view) with :class:`_Replicate`'s gradient, summed
-    along the axes the value is treated as varying over (all of them with ``check_rep=False``)
-    and taken from one copy along the others."""
-    level = frame.device_level
-    if level is None or _batched_at(x, level):
-        return x
-    mesh = frame.mesh
-    varying = axes_varying(x)
-    summed = tuple([a for a, name in enumerate(mesh.axis_names) if not frame.check_rep or name in varying])
-    if maybe_current_level() == level:
-        if len(summed) == mesh.ndim:  # expand's own backward sums the copies
-            stacked = below_device_level(x.expand, mesh.size, *x.shape)
-        else:
-            stacked = below_device_level(autograd.apply, _Replicate, x, mesh.shape, summed)
-        return _add_batch_dim(stacked, 0, level)
-    # under a transform of the user's inside the per-device function: the same, with ops
-    first = _first_copies(mesh, summed, str(x.device))
-    return torch.where(_add_batch_dim(first, 0, level), x, x.detach())
-
-
-@functools.lru_cache(maxsize=256)
-def _first_copies(mesh, summed: tuple[int, ...], device: str) -> torch.Tensor:
-    """``(n,)``: True for the devices at coordinate 0 along every axis not in ``summed``."""
-    return torch.tensor(
-        [all(c == 0 for a, c in enumerate(mesh.coordinate(d)) if a not in summed) for d in range(mesh.size)],
-        device=device,
-    )
-
-
 def _apply(x: torch.Tensor, op: _Op, stacked: bool = False) -> torch.Tensor:
-    """Run ``op`` on ``x``: per-device values, or stacked ones (in a transpose, or outside
-    shard_map). On the simulated backend, when the device vmap is the innermost transform, the
-    device dim is unwrapped and the stacked op runs directly, below the vmap; a reduction over
-    every device then gives one unbatched value, and a ``pvary`` of an unbatched value stays
-    unbatched (broadcasting sums its gradient over the devices)."""
-    if stacked:
-        return _run_stacked(x, op)
-    level = op.frame.device_level
-    with torch._C.DisableTorchFunction():
-        if level is None:  # the distributed backend
-            if _differentiated(x):
-                return autograd.apply(_Collective, x, op, False)
-            _log(op, x, False)  # a transpose in backward, or no gradient wanted: just run it
-            out = op.run_local(x)
-            return x.view_as(x) if out is x else out
-        direct = maybe_current_level() == level
-        if (
-            direct
-            and isinstance(op, Pvary)
-            and axes_varying(x) | set(op.axes) == set(op.frame.mesh.axis_names)
-            and not _batched_at(x, level)
-        ):
-            return below_device_level(_run_stacked, x, VaryUnbatched(op.frame, op.axes))
-        x = on_devices(x, op.frame)
-        if direct and maybe_get_level(x) == level:
-            value, batch_dim = _unwrap_batched(x, level)
-            if type(op) is AllReduce and op.size == op.frame.mesh.size:
-                op = _ReduceAll(op.frame, op.axes, op.op, op.transpose_psum)
-            out = below_device_level(_run_stacked, value.movedim(batch_dim, 0), op)
-            return _add_batch_dim(out, 0, level) if op.keeps_device_dim else out
-        return autograd.apply(_Collective, x, op, False)
-
-
-def _differentiated(x: torch.Tensor) -> bool:
-    """Whether autograd (or a ``torch.func`` transform, or the compiler) may see ``x``."""
-    return (
-        (x.requires_grad and torch.is_grad_enabled())
-        or torch._C._are_functorch_transforms_active()
-        or torch.compiler.is_compiling()
-    )
+    """Run ``op`` on per-device values, or on storage-form ones (``stacked``: in a transpose,
+    or outside shard_map)."""
+    backend = op.frame.backend
+    return backend.apply_to_storage(op, x) if stacked else backend.apply(op, x)
 
 
 def on_storage(
     storage: torch.Tensor, mesh, op_type: type[_Op], axes: tuple[str, ...], **params
 ) -> torch.Tensor:
-    """Run a collective on a global value's storage, outside any shard_map: the stacked shards
-    on the simulated backend, this rank's shard on the distributed one."""
-    op = op_type(Frame(mesh, False, None), axes, **params)
-    return _apply(storage, op, stacked=mesh.backend == "simulated")
+    """Run a collective on a global value's storage, outside any shard_map."""
+    backend = backend_of(mesh)
+    return backend.apply_to_storage(op_type(Frame(mesh, False, backend), axes, **params), storage)
 
 
 def _call(x, axis_name, where: str, make_op) -> torch.Tensor:
@@ -284,7 +122,7 @@ def _call(x, axis_name, where: str, make_op) -> torch.Tensor:
     op = make_op(frame, axes)
     if frame.check_rep and op.needs_varying and not set(axes) <= axes_varying(x):
         x = vary(x, frame, tuple(a for a in axes if a not in axes_varying(x)))
-    out = _apply(x, op)
+    out = frame.backend.apply(op, x)
     return tag(out, op.varying(axes_varying(x)) if frame.check_rep else None)
 
 
@@ -296,12 +134,8 @@ class Pvary(_Op):
     """Identity forward; its transpose sums the cotangents over the axes (JAX's ``pvary``)."""
 
     needs_varying: ClassVar[bool] = False
-    name: ClassVar[str] = ""  # no communication
 
-    def run_stacked(self, x):
-        return x
-
-    def run_local(self, x):
+    def run(self, x):
         return x
 
     def transpose(self, g, stacked, saved):
@@ -309,6 +143,10 @@ class Pvary(_Op):
 
     def varying(self, axes):
         return axes | set(self.axes)
+
+    def on_unbatched(self, x):
+        everything = axes_varying(x) | set(self.axes) == set(self.frame.mesh.axis_names)
+        return VaryHeldOnce(self.frame, self.axes) if everything else None
 
 
 def pvary(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -337,18 +175,13 @@ class AllReduce(_Op):
 
     op: str = "sum"
     transpose_psum: bool = False  # the transpose of pvary: always a real all-reduce
-    needs_varying: ClassVar[bool] = True
-    name: ClassVar[str] = "all_reduce"
 
     @property
     def saves_input(self) -> bool:  # type: ignore[override]
         return self.op in ("max", "min")
 
-    def run_stacked(self, x):
-        return stacked_ops.all_reduce(x, self.frame.mesh, self.axes, self.op)
-
-    def run_local(self, x):
-        return on_ranks.all_reduce(x, self.frame.mesh, self.axes, self.op)
+    def run(self, x):
+        return self.frame.backend.all_reduce(x, self.frame.mesh, self.axes, self.op)
 
     def transpose(self, g, stacked, saved):
         if self.frame.check_rep and not self.transpose_psum:
@@ -367,6 +200,11 @@ class AllReduce(_Op):
     def varying(self, axes):
         return axes - set(self.axes)
 
+    def held_once(self):
+        if self.size == self.frame.mesh.size:
+            return _ReduceAll(self.frame, self.axes, self.op, self.transpose_psum)
+        return self
+
 
 @dataclass(frozen=True)
 class _ReduceAll(AllReduce):
@@ -382,39 +220,39 @@ class _ReduceAll(AllReduce):
         # sum(0) and mean(0) backward broadcast the cotangent, as the transpose does
         return self.op in ("sum", "avg") and self.frame.check_rep and not self.transpose_psum
 
-    def run_stacked(self, x):
-        if self.op == "sum":
-            return x.sum(0, dtype=x.dtype)
-        if self.op == "avg":
-            floating = x.is_floating_point() or x.is_complex()
-            return x.mean(0) if floating else x.sum(0).div(self.size, rounding_mode="floor")
-        return x.amax(0) if self.op == "max" else x.amin(0)
+    def held_once(self):
+        return self
+
+    def run(self, x):
+        self.frame.backend.count("all_reduce", self.axes, x)
+        return blocks.reduce(x, self.op, 0)
 
     def transpose(self, g, stacked, saved):
+        backend = self.frame.backend
         if not self.frame.check_rep or self.transpose_psum:
-            _log(AllReduce(self.frame, self.axes), g.unsqueeze(0), True)  # summed by broadcasting
+            backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())  # by broadcasting
         g_in = g.expand(self.size, *g.shape)
         if self.op == "avg":
             return g_in / self.size
         if self.op in ("max", "min"):
             x, out = saved
             winners = (x == out).to(g.dtype)
-            _log(AllReduce(self.frame, self.axes), winners, True)
+            backend.count("all_reduce", self.axes, winners)
             return g_in * winners / winners.sum(0)
         return g_in
 
 
 @dataclass(frozen=True)
-class VaryUnbatched(Pvary):
-    """:class:`Pvary` of a value not batched over the simulated devices, to vary over every mesh
-    axis: it stays unbatched; where it meets per-device values, broadcasting sums its gradient
+class VaryHeldOnce(Pvary):
+    """:class:`Pvary` of a value held once for every simulated device, to vary over every mesh
+    axis: it stays held once; where it meets per-device values, broadcasting sums its gradient
     over all the devices, which is the all-reduce of pvary's transpose."""
 
-    def run_stacked(self, x):
+    def run(self, x):
         return x.view_as(x)
 
     def transpose(self, g, stacked, saved):
-        _log(AllReduce(self.frame, self.axes), g.unsqueeze(0), True)
+        self.frame.backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())
         return g
 
 
@@ -458,14 +296,9 @@ class AllGather(_Op):
 
     dim: int = 0
     tiled: bool = False
-    needs_varying: ClassVar[bool] = True
-    name: ClassVar[str] = "all_gather"
 
-    def run_stacked(self, x):
-        return stacked_ops.all_gather(x, self.frame.mesh, self.axes, self.dim, self.tiled)
-
-    def run_local(self, x):
-        return on_ranks.all_gather(x, self.frame.mesh, self.axes, self.dim, self.tiled)
+    def run(self, x):
+        return self.frame.backend.all_gather(x, self.frame.mesh, self.axes, self.dim, self.tiled)
 
     def transpose(self, g, stacked, saved):
         return _apply(g, ReduceScatter(self.frame, self.axes, self.dim, self.tiled), stacked)
@@ -520,14 +353,9 @@ class ReduceScatter(_Op):
 
     dim: int = 0
     tiled: bool = False
-    needs_varying: ClassVar[bool] = True
-    name: ClassVar[str] = "reduce_scatter"
 
-    def run_stacked(self, x):
-        return stacked_ops.reduce_scatter(x, self.frame.mesh, self.axes, self.dim, self.tiled)
-
-    def run_local(self, x):
-        return on_ranks.reduce_scatter(x, self.frame.mesh, self.axes, self.dim, self.tiled)
+    def run(self, x):
+        return self.frame.backend.reduce_scatter(x, self.frame.mesh, self.axes, self.dim, self.tiled)
 
     def transpose(self, g, stacked, saved):
         return _apply(g, AllGather(self.frame, self.axes, self.dim, self.tiled), stacked)
@@ -576,14 +404,11 @@ class AllToAll(_Op):
     split: int = 0
     concat: int = 0
     tiled: bool = False
-    needs_varying: ClassVar[bool] = True
-    name: ClassVar[str] = "all_to_all"
 
-    def run_stacked(self, x):
-        return stacked_ops.all_to_all(x, self.frame.mesh, self.axes, self.split, self.concat, self.tiled)
-
-    def run_local(self, x):
-        return on_ranks.all_to_all(x, self.frame.mesh, self.axes, self.split, self.concat, self.tiled)
+    def run(self, x):
+        return self.frame.backend.all_to_all(
+            x, self.frame.mesh, self.axes, self.split, self.concat, self.tiled
+        )
 
     def transpose(self, g, stacked, saved):
         op = dataclasses.replace(self, split=self.concat, concat=self.split)
@@ -631,14 +456,9 @@ class Permute(_Op):
     """Shape rule: unchanged. Varying: unchanged. Transpose: the inverse permutation."""
 
     perm: tuple[tuple[int, int], ...] = ()
-    needs_varying: ClassVar[bool] = True
-    name: ClassVar[str] = "ppermute"
 
-    def run_stacked(self, x):
-        return stacked_ops.permute(x, self.frame.mesh, self.axes, self.perm)
-
-    def run_local(self, x):
-        return on_ranks.permute(x, self.frame.mesh, self.axes, self.perm)
+    def run(self, x):
+        return self.frame.backend.permute(x, self.frame.mesh, self.axes, self.perm)
 
     def transpose(self, g, stacked, saved):
         inverse = tuple((dst, src) for src, dst in self.perm)
@@ -679,12 +499,7 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     """This device's index along ``axis_name`` (a tuple: the flat index, major axis first), as a
     0-d int64 tensor that varies over those axes."""
     frame, axes = frame_for(axis_name, "fd.axis_index")
-    mesh = frame.mesh
-    if frame.device_level is None:
-        index = on_ranks.axis_index(mesh, axes, mesh.device_type)
-    else:
-        stacked = stacked_ops.axis_index(mesh, axes, mesh.device_type)
-        index = _add_batch_dim(stacked, 0, frame.device_level)
+    index = frame.backend.axis_index_per_device(frame, axes)
     return tag(index, frozenset(axes) if frame.check_rep else None)
 
 

@@ -16,10 +16,12 @@ from collections import Counter
 import torch
 
 from . import _comm_log as comm_log
+from ._public import public
 
 __all__ = ["CommDebugMode"]
 
 
+@public
 class CommDebugMode:
     """Context manager counting collectives per op and per module (the innermost
     ``torch.nn.Module`` running when the collective was issued; ``None`` outside any, which

@@ -1,14 +1,16 @@
 """The axis environment: which mesh axes the running per-device code is mapped over.
 
 ``shard_map`` pushes a frame while the per-device function runs; collectives look their axis
-names up here. A frame records the mesh, whether replication is checked, and on the simulated
-backend the functorch vmap level that carries the device dimension.
+names up here. A frame records the mesh and its backend, whether replication is checked, the
+functorch level the per-device function runs at, and the level of the vmap that carries the
+device dim (a simulated mesh's; ``None`` where each process runs its own device).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from ._errors import AxisNameError, explain
 from ._mesh import DeviceMesh
@@ -18,11 +20,13 @@ __all__ = ["Frame", "bound_axes", "current_frame", "frame_for"]
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """One ``shard_map`` in progress."""
+    """One ``shard_map`` in progress (or, with ``level`` None, a collective run on storage)."""
 
     mesh: DeviceMesh
     check_rep: bool
-    device_level: int | None  # the vmap level of the device dim (simulated backend)
+    backend: Any  # the mesh's backend (see ._backend)
+    level: int | None = None  # the functorch level the per-device function runs at
+    device_level: int | None = None  # the level of the vmap over the devices, if any
 
 
 _local = threading.local()

@@ -2,8 +2,9 @@
 
 Not a ``torch.Tensor`` subclass: a small record holding the layout, the global shape and the
 backend's storage (on the simulated backend every device's shard, stacked; on the distributed
-backend this rank's shard). Everything that computes on it is a pure function returning a new
-value: :func:`shard_map`, :func:`redistribute`.
+backend this rank's shard), read and written through the backend only. Everything that
+computes on it is a pure function returning a new value: :func:`shard_map`,
+:func:`redistribute`.
 
 >>> import torch, functional_dtensor as fd
 >>> mesh = fd.simulated_mesh(4, "x")
@@ -18,61 +19,49 @@ True
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from . import _autograd as autograd
-from ._backends import simulated_storage as simulated
-from ._errors import InputTypeError, LayoutError, ShapeError, explain
+from ._backend import backend_of
+from ._errors import InputTypeError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec, as_layout
 from ._mesh import DeviceMesh
 from ._placements import Placement, Replicate
-from ._sharding import global_shape_of_even_local, shard_table
+from ._public import public
+from ._sharding import global_shape_of_even_local
 
-__all__ = ["DTensor", "distribute_tensor", "from_local"]
+__all__ = [
+    "DTensor",
+    "distribute_tensor",
+    "from_local",
+    "distribute_storage",
+    "gather_storage",
+    "layout_for",
+    "without_partial",
+    "check_mesh",
+    "storage_of",
+]
 
 
+@public
 class DTensor:
     """A global tensor laid out on a device mesh. Build one with :func:`distribute_tensor`,
     :func:`from_local`, a factory such as :func:`zeros`, or as the output of
     :func:`shard_map`."""
 
-    __slots__ = ("_layout", "_shape", "_stored", "_replica")
+    __slots__ = ("_layout", "_shape", "_storage")
 
     _layout: Layout
     _shape: torch.Size
-    _stored: torch.Tensor | None
-    _replica: torch.Tensor | None
+    _storage: torch.Tensor
 
     def __init__(self, storage: torch.Tensor, layout: Layout, shape: Sequence[int]) -> None:
         """Internal: use :func:`distribute_tensor` or :func:`from_local`."""
-        object.__setattr__(self, "_stored", storage)
-        object.__setattr__(self, "_replica", None)
+        object.__setattr__(self, "_storage", storage)
         object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_shape", torch.Size(shape))
-
-    @classmethod
-    def _of_replica(cls, value: torch.Tensor, layout: Layout) -> DTensor:
-        """Internal: a replicated value held once (its storage is built when first needed), as
-        a simulated ``shard_map`` returns a value that is the same on every device."""
-        out = cls(None, layout, value.shape)
-        object.__setattr__(out, "_replica", value)
-        return out
-
-    @property
-    def _storage(self) -> torch.Tensor:
-        stored = self._stored
-        if stored is None:
-            stored = distribute_storage(self._replica, self._layout)
-            object.__setattr__(self, "_stored", stored)
-        return stored
-
-    @property
-    def _value(self) -> torch.Tensor:
-        """Any tensor of this value's dtype and autograd state."""
-        return self._storage if self._replica is None else self._replica
 
     def __setattr__(self, name, value):
         raise AttributeError(f"fd.DTensor is immutable: cannot set {name!r}; build a new value instead")
@@ -91,11 +80,11 @@ class DTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._value.dtype
+        return self._storage.dtype
 
     @property
     def requires_grad(self) -> bool:
-        return self._value.requires_grad
+        return self._storage.requires_grad
 
     @property
     def grad(self) -> DTensor | None:
@@ -103,7 +92,7 @@ class DTensor:
         value (Partial axes as Replicate), or ``None``. Storage is a leaf when the value was
         made by a factory with ``requires_grad=True`` or by :func:`from_local` of leaves."""
         grad = self._storage.grad
-        return None if grad is None else DTensor(grad, _without_partial(self._layout), self._shape)
+        return None if grad is None else DTensor(grad, without_partial(self._layout), self._shape)
 
     @property
     def layout(self) -> Layout:
@@ -125,9 +114,7 @@ class DTensor:
     def local_shards(self) -> tuple[torch.Tensor, ...]:
         """The shards this process holds, unpadded: on the simulated backend one per device, in
         flat (row-major) mesh order; on the distributed backend, this rank's alone."""
-        if self.device_mesh.backend == "simulated":
-            return tuple([self.to_local(device=k) for k in range(self.device_mesh.size)])
-        return (self._storage,)
+        return backend_of(self.device_mesh).shards(self._storage, self._layout, tuple(self._shape))
 
     def to_local(self, device: int | Sequence[int] | None = None) -> torch.Tensor:
         """The local shard of one device.
@@ -136,33 +123,11 @@ class DTensor:
         simulated backend, name the device by flat index or mesh coordinate: every shard is
         held here (use :meth:`local_shards` for all of them).
         """
-        mesh = self.device_mesh
-        if mesh.backend == "distributed":
-            return self._storage
-        if device is None:
-            raise InputTypeError(
-                explain(
-                    "fd.DTensor.to_local(device)",
-                    f"a simulated mesh holds the shards of all {mesh.size} devices",
-                    expected=f"a device index in [0, {mesh.size}) or a coordinate of shape {mesh.shape}",
-                    got="None",
-                    fix="pass device=k, or call local_shards() for every shard",
-                )
-            )
-        index = _device_index(mesh, device, "fd.DTensor.to_local(device)")
-        return simulated.shard(self._storage, self._layout, tuple(self._shape), index)
+        return backend_of(self.device_mesh).shard(self._storage, self._layout, tuple(self._shape), device)
 
     def full_tensor(self) -> torch.Tensor:
         """The global value on every device (Partial axes reduced). Differentiable."""
-        if self._replica is not None:
-            return self._replica.view_as(self._replica)
         return gather_storage(self._storage, self._layout, tuple(self._shape))
-
-    def redistribute(self, placements) -> DTensor:
-        """This value in another layout: :func:`fd.redistribute(self, placements) <redistribute>`."""
-        from ._redistribute import redistribute
-
-        return redistribute(self, placements)
 
     def __repr__(self) -> str:
         return (
@@ -174,48 +139,36 @@ class DTensor:
         return self._shape[0]
 
 
-def _storage_of(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    if layout.mesh.backend == "simulated":
-        return simulated.stack(tensor, layout)
-    from ._backends import distributed_storage
-
-    return distributed_storage.local_shard(tensor, layout)
-
-
-def _global_of(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
-    if layout.mesh.backend == "simulated":
-        return simulated.unstack(storage, layout, shape)
-    from ._backends import distributed_storage
-
-    return distributed_storage.full_tensor(storage, layout, shape)
+def storage_of(x: DTensor) -> torch.Tensor:
+    """The backend's storage of ``x`` (for the transformations above this module)."""
+    return x._storage
 
 
 def distribute_storage(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The storage of the global ``tensor``, differentiably. On the simulated backend an evenly
-    split value over every mesh axis is views of the tensor, whose own backward reassembles the
-    cotangent; every other case goes through :class:`_Distribute`."""
-    if _is_split_view(layout, tuple(tensor.shape)):
-        return simulated.stack(tensor, layout)
+    """The storage of the global ``tensor``, differentiably. Where storage and value are views
+    of each other, their own backward reassembles the cotangent; every other case goes
+    through :class:`_Distribute`."""
+    backend = backend_of(layout.mesh)
+    if backend.splits_as_views(layout, tuple(tensor.shape)):
+        return backend.distribute(tensor, layout)
     return autograd.apply(_Distribute, tensor, layout)
 
 
 def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
     """The global value of ``storage``, differentiably (the inverse of :func:`distribute_storage`)."""
-    if _is_split_view(layout, shape):
-        return simulated.unstack(storage, layout, shape)
+    backend = backend_of(layout.mesh)
+    if backend.splits_as_views(layout, shape):
+        return backend.gather(storage, layout, shape)
     return autograd.apply(_FullTensor, storage, layout, shape)
 
 
-def _is_split_view(layout: Layout, shape: tuple[int, ...]) -> bool:
-    """Whether the storage is a permutation of the global value's elements: simulated, every
-    mesh axis a Shard, even blocks. Then plain view ops carry the right gradient both ways."""
-    return (
-        layout.mesh.backend == "simulated" and layout.is_fully_sharded and shard_table(layout, shape).is_even
+def without_partial(layout: Layout) -> Layout:
+    """``layout`` with its Partial axes Replicate: the layout of a gradient (as DTensor)."""
+    return Layout(
+        layout.mesh,
+        tuple([Replicate() if p.is_partial() else p for p in layout.placements]),
+        layout.shard_order,
     )
-
-
-def _without_partial(layout: Layout) -> Layout:
-    return Layout(layout.mesh, tuple([Replicate() if p.is_partial() else p for p in layout.placements]))
 
 
 class _Distribute(torch.autograd.Function):
@@ -226,7 +179,7 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def forward(tensor, layout):
-        return _storage_of(tensor, layout)
+        return backend_of(layout.mesh).distribute(tensor, layout)
 
     @staticmethod
     def vmap(info, in_dims, tensor, layout):
@@ -239,7 +192,7 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_FullTensor, g, _without_partial(ctx.layout), ctx.shape), None
+        return autograd.apply(_FullTensor, g, without_partial(ctx.layout), ctx.shape), None
 
 
 class _FullTensor(torch.autograd.Function):
@@ -248,7 +201,7 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def forward(storage, layout, shape):
-        return _global_of(storage, layout, shape)
+        return backend_of(layout.mesh).gather(storage, layout, shape)
 
     @staticmethod
     def vmap(info, in_dims, storage, layout, shape):
@@ -261,29 +214,7 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_Distribute, g, _without_partial(ctx.layout)), None, None
-
-
-def _device_index(mesh: DeviceMesh, device, where: str) -> int:
-    if not isinstance(device, (bool, tuple, list)) and hasattr(device, "__index__"):
-        device = operator.index(device)
-    if isinstance(device, int) and not isinstance(device, bool) and 0 <= device < mesh.size:
-        return device
-    if (
-        isinstance(device, (tuple, list))
-        and len(device) == mesh.ndim
-        and all([isinstance(c, int) and 0 <= c < s for c, s in zip(device, mesh.shape)])
-    ):
-        return mesh.flat_index(device)
-    raise InputTypeError(
-        explain(
-            where,
-            "no such device on the mesh",
-            expected=f"an index in [0, {mesh.size}) or a coordinate within {mesh.shape}",
-            got=repr(device),
-            fix="count devices in row-major mesh order, or give the mesh coordinate",
-        )
-    )
+        return autograd.apply(_Distribute, g, without_partial(ctx.layout)), None, None
 
 
 def _check_tensor(value, where: str) -> torch.Tensor:
@@ -300,7 +231,7 @@ def _check_tensor(value, where: str) -> torch.Tensor:
     return value
 
 
-def _check_mesh(mesh, where: str) -> DeviceMesh:
+def check_mesh(mesh, where: str) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise InputTypeError(
             explain(
@@ -316,7 +247,7 @@ def _check_mesh(mesh, where: str) -> DeviceMesh:
 
 def layout_for(mesh, placements: PlacementsOrSpec, ndim: int, api: str) -> Layout:
     """The normalized layout that ``api`` was given for an ``ndim``-d tensor on ``mesh``."""
-    mesh = _check_mesh(mesh, f"{api}(device_mesh)")
+    mesh = check_mesh(mesh, f"{api}(device_mesh)")
     layout = as_layout(mesh, placements, where=f"{api}(placements)")
     return layout.normalized(ndim, where=api)
 
@@ -361,19 +292,19 @@ def from_local(
     (shapes, and equal values across Replicate axes).
     """
     api = "fd.from_local"
-    mesh = _check_mesh(device_mesh, f"{api}(device_mesh)")
-    if mesh.backend == "simulated" and isinstance(local_tensor, (list, tuple)):
-        if len(local_tensor) != mesh.size:
+    mesh = check_mesh(device_mesh, f"{api}(device_mesh)")
+    if isinstance(local_tensor, (list, tuple)):
+        shards = [_check_tensor(t, f"{api}(local_tensor[{k}])") for k, t in enumerate(local_tensor)]
+        if not shards:
             raise ShapeError(
                 explain(
                     f"{api}(local_tensor)",
-                    "one shard per device",
-                    expected=f"{mesh.size} tensors for mesh {mesh.shape}",
-                    got=f"{len(local_tensor)}",
-                    fix="pass a list with every device's shard in row-major mesh order",
+                    "no shard given",
+                    expected="a tensor, or a list of every device's shard",
+                    got="an empty list",
+                    fix="pass the local shards",
                 )
             )
-        shards = [_check_tensor(t, f"{api}(local_tensor[{k}])") for k, t in enumerate(local_tensor)]
     else:
         shards = [_check_tensor(local_tensor, f"{api}(local_tensor)")]
     ndim = shards[0].dim()
@@ -391,60 +322,5 @@ def from_local(
                 fix="give the global shape of the value the shards make up",
             )
         )
-    table = shard_table(layout, shape)
-    if mesh.backend == "simulated":
-        shards = [t.to(mesh.device_type) for t in shards]
-        if len(shards) == 1:
-            _check_local_shape(shards[0].shape, table.local_shapes[0], 0, api, shape)
-            if not table.is_even:
-                raise ShapeError(
-                    explain(
-                        f"{api}(local_tensor)",
-                        f"global shape {shape} splits unevenly, so devices hold shards of different shapes",
-                        expected=f"a list of {mesh.size} shards",
-                        got="one tensor for every device",
-                        fix="pass each device's shard in a list",
-                    )
-                )
-            storage = shards[0].unsqueeze(0).expand(mesh.size, *shards[0].shape)
-        else:
-            for k, (t, expected) in enumerate(zip(shards, table.local_shapes)):
-                _check_local_shape(t.shape, expected, k, api, shape)
-            storage = simulated.from_shards(shards, layout, shape)
-        if run_check:
-            _check_replicas_equal(storage, layout, api)
-        return DTensor(storage, layout, shape)
-    from ._backends import distributed_storage
-
-    storage = distributed_storage.check_local(shards[0], layout, shape, run_check=run_check, where=api)
+    storage = backend_of(mesh).from_local(shards, layout, shape, run_check=run_check, where=api)
     return DTensor(storage, layout, shape)
-
-
-def _check_local_shape(got, expected, device: int, api: str, shape) -> None:
-    if tuple(got) != tuple(expected):
-        raise ShapeError(
-            explain(
-                f"{api}(local_tensor)",
-                f"device {device}'s shard does not fit global shape {tuple(shape)}",
-                expected=f"local shape {tuple(expected)}",
-                got=f"{tuple(got)}",
-                fix="pass shape= with the true global shape, or shards of the right size",
-            )
-        )
-
-
-def _check_replicas_equal(storage: torch.Tensor, layout: Layout, api: str) -> None:
-    blocks = storage.reshape(*layout.mesh.shape, *storage.shape[1:])
-    for axis, placement in enumerate(layout.placements):
-        if isinstance(placement, Replicate) and not torch.equal(
-            blocks, blocks.narrow(axis, 0, 1).expand_as(blocks)
-        ):
-            raise LayoutError(
-                explain(
-                    f"{api}(local_tensor)",
-                    f"shards differ along mesh axis {layout.mesh.axis_names[axis]!r}, placed Replicate",
-                    expected="equal shards on every device of a Replicate axis",
-                    got="different values",
-                    fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
-                )
-            )

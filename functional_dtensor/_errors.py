@@ -7,6 +7,8 @@ what was expected and what was got, and ends with the fix. Messages are built wi
 
 from __future__ import annotations
 
+from ._public import public
+
 __all__ = [
     "FunctionalDTensorError",
     "LayoutError",
@@ -20,34 +22,42 @@ __all__ = [
 ]
 
 
+@public
 class FunctionalDTensorError(Exception):
     """Base class of every error raised by functional_dtensor."""
 
 
+@public
 class LayoutError(FunctionalDTensorError, ValueError):
     """A placement, a partition spec or a layout is invalid, or does not fit a tensor."""
 
 
+@public
 class MeshError(FunctionalDTensorError, ValueError):
     """A device mesh is malformed, or a value lives on another mesh or backend."""
 
 
+@public
 class SpecError(FunctionalDTensorError, ValueError):
     """``shard_map`` specs do not fit the arguments or outputs they describe."""
 
 
+@public
 class ShapeError(FunctionalDTensorError, ValueError):
     """A local or global shape does not agree with a layout."""
 
 
+@public
 class InputTypeError(FunctionalDTensorError, TypeError):
     """An argument has the wrong type (a list where a tensor was expected, say)."""
 
 
+@public
 class AxisNameError(FunctionalDTensorError, NameError):
     """A collective names a mesh axis that no enclosing ``shard_map`` binds."""
 
 
+@public
 class CommunicationError(FunctionalDTensorError, RuntimeError):
     """A collective failed or timed out on the distributed backend (a dead or stuck rank)."""
 

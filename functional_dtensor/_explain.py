@@ -19,11 +19,13 @@ import torch
 from ._dtensor import DTensor, layout_for
 from ._errors import InputTypeError, explain
 from ._layout import Layout, PlacementsOrSpec
-from ._redistribute_plan import Step, lower_bound, plan, step_bytes
+from ._plan import Step, lower_bound, plan, step_bytes
+from ._public import public
 
 __all__ = ["explain_redistribute", "PlanReport"]
 
 
+@public
 class PlanReport(NamedTuple):
     """What :func:`explain_redistribute` found: the steps, the bytes each step makes a device
     receive (and send), their total and the lower bound, all per device."""
@@ -97,8 +99,9 @@ def explain_redistribute(
         )
     source = source.normalized(len(shape), where="fd.explain_redistribute")
     destination = layout_for(source.mesh, target, len(shape), "fd.explain_redistribute")
-    itemsize = torch.empty((), dtype=dtype or torch.float32).element_size()
-    steps = plan(source, destination, shape, itemsize)
+    dtype = dtype or torch.float32
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    steps = plan(source, destination, shape, itemsize, not (dtype.is_floating_point or dtype.is_complex))
     costs = tuple(step_bytes(s, shape, itemsize) for s in steps)
     report = PlanReport(
         source,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ._backends import simulated_storage as simulated
+from ._backend import backend_of
 from ._dtensor import DTensor, layout_for
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
@@ -36,14 +36,8 @@ def _build(
     layout: Layout, shape: tuple[int, ...], blocks: Callable[[tuple[int, ...], int | None], torch.Tensor]
 ):
     """Storage from ``blocks(block_shape, shard)``: the padded blocks of the distinct shard
-    ``shard`` (``None``: of every distinct shard, stacked)."""
-    sizes, padded = simulated.distinct_shards(layout, shape)
-    if layout.mesh.backend == "simulated":
-        return simulated.materialize(layout, shape, blocks((*sizes, *padded), None))
-    from ._backends import distributed_storage
-
-    block = blocks(padded, distributed_storage.shard_index(layout))
-    return distributed_storage.materialize(layout, shape, block)
+    ``shard`` (``None``: of every distinct shard, as a grid)."""
+    return backend_of(layout.mesh).materialize(layout, shape, blocks)
 
 
 def _factory(name: str, doc: str, blocks_for):

@@ -1,21 +1,26 @@
 """``Layout``: where every block of a global tensor lives on a mesh.
 
-A layout is a mesh plus one placement per mesh axis, exactly as in DTensor. It converts to and
-from a partition spec :class:`P`. Several mesh axes may split one tensor dim; then the order of
-the axes is DTensor's default, left to right in the mesh: the axis that comes first in
-``mesh.axis_names`` is the major one (it splits the dim first, into contiguous blocks that the
-later axes split again). In a ``P`` the tuple entry lists the axes major first, so it must follow
-mesh order:
+A layout is a mesh, one placement per mesh axis (as in DTensor) and, where several mesh axes
+split one tensor dim, the order in which they split it. The first axis of that order is the
+major one: it splits the dim into contiguous blocks, which the next axis splits again, and so
+on. By default the order is the mesh's (DTensor's left-to-right default); any other order is
+recorded in ``shard_order``, with the meaning of torch's ``DTensorSpec.shard_order``: entries
+``(dim, axes)`` with ``axes`` the positions of the mesh axes that split ``dim``, major first.
+Only orders other than the mesh's are recorded, so equal layouts compare and hash equal.
+
+A layout converts to and from a partition spec :class:`P`, whose tuple entries list the axes of
+a dim major first, in any order (as in JAX):
 
 >>> import functional_dtensor as fd
 >>> mesh = fd.simulated_mesh((2, 2), ("x", "y"))
 >>> layout = fd.Layout(mesh, (fd.Shard(0), fd.Shard(0)))
->>> layout.spec
-P(('x', 'y'))
+>>> layout.spec, str(layout)
+(P(('x', 'y')), 'S(0)S(0)')
+>>> swapped = fd.Layout.from_spec(mesh, fd.P(("y", "x")))
+>>> swapped.shard_order, str(swapped)
+(((0, (1, 0)),), 'S(0)[1]S(0)[0]')
 >>> fd.Layout.from_spec(mesh, fd.P(None, "x")).placements
 (Shard(dim=1), Replicate())
->>> str(layout)
-'S(0)S(0)'
 """
 
 from __future__ import annotations
@@ -27,20 +32,29 @@ from typing import TypeAlias
 from ._errors import InputTypeError, LayoutError, MeshError, explain
 from ._mesh import DeviceMesh
 from ._placements import Partial, Placement, Replicate, Shard
+from ._public import public
 from ._spec import P
 
-__all__ = ["Layout", "PlacementsOrSpec", "as_layout"]
+__all__ = ["Layout", "PlacementsOrSpec", "ShardOrder", "as_layout"]
 
 PlacementsOrSpec: TypeAlias = "Sequence[Placement] | P | Layout"
+#: ``(dim, axes)`` entries: the positions of the mesh axes that split tensor dim ``dim``, major
+#: first (torch's ``ShardOrderEntry(tensor_dim, mesh_dims)``).
+ShardOrder: TypeAlias = "tuple[tuple[int, tuple[int, ...]], ...]"
 
 
+@public
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """A mesh and one placement per mesh axis."""
+    """A mesh, one placement per mesh axis, and the order of the axes that split one dim
+    where it is not the mesh's (see the module docstring)."""
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
-    _hash: int = field(init=False, repr=False, compare=False, default=0)  # layouts key many caches
+    shard_order: ShardOrder = ()
+    # derived once, when built: layouts key many caches and their split orders are read per op
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+    _orders: dict = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -54,18 +68,31 @@ class Layout:
                 )
             )
         placements = _checked_placements(self.mesh, self.placements, "fd.Layout(placements)")
+        orders: dict[int, tuple[int, ...]] = {}
+        for axis, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                orders[placement.dim] = (*orders.get(placement.dim, ()), axis)
+        shard_order = _checked_order(self.mesh, placements, self.shard_order, orders)
+        for dim, axes in shard_order:
+            orders[dim] = axes
         object.__setattr__(self, "placements", placements)
-        object.__setattr__(self, "_hash", hash((self.mesh, placements)))
+        object.__setattr__(self, "shard_order", shard_order)
+        object.__setattr__(self, "_orders", orders)
+        object.__setattr__(self, "_hash", hash((self.mesh, placements, shard_order)))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (Layout, (self.mesh, self.placements))
+        return (Layout, (self.mesh, self.placements, self.shard_order))
+
+    def __repr__(self) -> str:
+        order = f", shard_order={self.shard_order!r}" if self.shard_order else ""
+        return f"Layout(mesh={self.mesh!r}, placements={self.placements!r}{order})"
 
     @classmethod
     def from_spec(cls, mesh: DeviceMesh, spec: P, *, where: str = "fd.Layout.from_spec") -> Layout:
-        """The layout that shards dim ``d`` over the axes named in ``spec[d]``."""
+        """The layout that shards dim ``d`` over the axes named in ``spec[d]``, major first."""
         if not isinstance(spec, P):
             raise InputTypeError(
                 explain(
@@ -77,6 +104,7 @@ class Layout:
                 )
             )
         placements: list[Placement] = [Replicate()] * mesh.ndim
+        order = []
         for dim, entry in enumerate(spec):
             names = (entry,) if isinstance(entry, str) else entry or ()
             positions = []
@@ -92,20 +120,10 @@ class Layout:
                         )
                     )
                 positions.append(mesh.axis_names.index(name))
+                placements[positions[-1]] = Shard(dim)
             if positions != sorted(positions):
-                in_order = tuple([mesh.axis_names[p] for p in sorted(positions)])
-                raise LayoutError(
-                    explain(
-                        f"{where}(spec[{dim}])",
-                        "axes that split one dim are listed major first, in mesh order",
-                        expected=repr(in_order),
-                        got=repr(entry),
-                        fix=f"write {in_order!r}, or build the mesh with the axes in this order",
-                    )
-                )
-            for position in positions:
-                placements[position] = Shard(dim)
-        return cls(mesh, tuple(placements))
+                order.append((dim, tuple(positions)))
+        return cls(mesh, tuple(placements), tuple(order))
 
     @property
     def spec(self) -> P:
@@ -131,16 +149,15 @@ class Layout:
                         fix="call layout.normalized(ndim) first",
                     )
                 )
-        dims = [p.dim for p in self.placements if isinstance(p, Shard)]
-        entries: list[tuple[str, ...]] = [() for _ in range(max(dims, default=-1) + 1)]
-        for name, placement in zip(self.mesh.axis_names, self.placements):
-            if isinstance(placement, Shard):
-                entries[placement.dim] += (name,)
+        names = self.mesh.axis_names
+        entries = [
+            tuple(names[a] for a in self.sharding_axes(d)) for d in range(max(self._orders, default=-1) + 1)
+        ]
         return P(*entries)
 
     def sharding_axes(self, dim: int) -> tuple[int, ...]:
         """The positions of the mesh axes that split tensor dim ``dim``, major first."""
-        return tuple([a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim])
+        return self._orders.get(dim, ())
 
     @property
     def is_replicated(self) -> bool:
@@ -174,10 +191,63 @@ class Layout:
                     )
                 if placement.dim < 0:
                     placements[axis] = Shard(placement.dim + ndim)
-        return Layout(self.mesh, tuple(placements))
+        if placements == list(self.placements):
+            return self
+        order = tuple((dim % ndim, axes) for dim, axes in self.shard_order)
+        return Layout(self.mesh, tuple(placements), order)
 
     def __str__(self) -> str:
-        return _short(self.placements)
+        """The placements in short form; where a dim's axes split it in another order than the
+        mesh's, each one's index in that order (``S(0)[1]S(0)[0]``, as torch writes it)."""
+        out = []
+        for axis, placement in enumerate(self.placements):
+            text = str(placement)
+            if isinstance(placement, Shard) and any(dim == placement.dim for dim, _ in self.shard_order):
+                text += f"[{self._orders[placement.dim].index(axis)}]"
+            out.append(text)
+        return "".join(out)
+
+
+def _checked_order(mesh: DeviceMesh, placements, shard_order, orders: dict) -> tuple:
+    """``shard_order`` in canonical form: entries sorted by dim, those in mesh order dropped."""
+    where = "fd.Layout(shard_order)"
+    try:
+        entries = [(int(dim), tuple(int(a) for a in axes)) for dim, axes in shard_order]
+    except (TypeError, ValueError):
+        raise InputTypeError(
+            explain(
+                where,
+                "the shard order lists (dim, axes) pairs",
+                expected="a tuple such as ((0, (1, 0)),): dim 0 split by mesh axis 1, then axis 0",
+                got=repr(shard_order),
+                fix="give each dim's mesh axis positions, major first",
+            )
+        ) from None
+    canonical = []
+    for dim, axes in sorted(entries):
+        if sorted(axes) != list(orders.get(dim, ())) or len(set(axes)) != len(axes):
+            raise LayoutError(
+                explain(
+                    where,
+                    f"the order of dim {dim} must list the mesh axes that split it",
+                    expected=f"a permutation of {orders.get(dim, ())}",
+                    got=repr(axes),
+                    fix="list each axis placed Shard(dim) once, major first",
+                )
+            )
+        if list(axes) != sorted(axes):
+            canonical.append((dim, axes))
+    if len({dim for dim, _ in canonical}) != len(canonical):
+        raise LayoutError(
+            explain(
+                where,
+                "one entry per dim",
+                expected="each dim at most once",
+                got=repr(shard_order),
+                fix="merge the entries of a dim into one",
+            )
+        )
+    return tuple(canonical)
 
 
 def _checked_placements(mesh: DeviceMesh, placements, where: str) -> tuple[Placement, ...]:
@@ -203,15 +273,11 @@ def _checked_placements(mesh: DeviceMesh, placements, where: str) -> tuple[Place
                 where,
                 "one placement per mesh axis",
                 expected=f"{mesh.ndim} for mesh axes {mesh.axis_names}",
-                got=f"{len(placements)}: {_short(placements)}",
+                got=f"{len(placements)}: {''.join(str(p) for p in placements)}",
                 fix="add fd.Replicate() for axes that do not split the tensor",
             )
         )
     return placements
-
-
-def _short(placements: Sequence[object]) -> str:
-    return "".join(str(p) for p in placements)
 
 
 def as_layout(mesh: DeviceMesh, target: PlacementsOrSpec, *, where: str) -> Layout:

@@ -7,7 +7,9 @@ Vocabulary used throughout the library:
 * *local* — per device (a local shape, a local tensor); *global* — the logical whole.
 
 A mesh is shape, axis names, device type, backend and the flat ids of its devices in row-major
-order. Runtime state (process groups) lives in the backend, looked up from the mesh.
+order (for a sub-mesh, of every group of devices it stands for). It is pure data, the same on
+every process; runtime state (process groups, this process's rank) lives in the backend,
+looked up from the mesh.
 
 >>> import functional_dtensor as fd
 >>> mesh = fd.simulated_mesh((2, 4), ("dp", "tp"))
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from ._errors import InputTypeError, MeshError, explain
+from ._public import public
 
 __all__ = ["DeviceMesh", "simulated_mesh", "Backend"]
 
@@ -33,6 +36,7 @@ Backend: TypeAlias = Literal["simulated", "distributed"]
 BACKENDS: tuple[str, ...] = ("simulated", "distributed")
 
 
+@public
 @dataclass(frozen=True, slots=True)
 class DeviceMesh:
     """An n-d grid of devices with one name per axis.
@@ -115,13 +119,16 @@ class DeviceMesh:
                 )
             )
         size = math.prod(shape)
-        ids = tuple(self.device_ids) if self.device_ids else tuple(range(size))
-        if len(ids) != size or len(set(ids)) != size:
+        try:
+            ids = tuple(operator.index(i) for i in self.device_ids) if self.device_ids else tuple(range(size))
+        except TypeError:
+            ids = tuple(self.device_ids)
+        if len(ids) % size or len(set(ids)) != len(ids) or not all(isinstance(i, int) for i in ids):
             raise MeshError(
                 explain(
                     "fd.DeviceMesh(device_ids)",
-                    "one distinct id per device",
-                    expected=f"{size} distinct ids for shape {shape}",
+                    "one distinct int id per device (of each group, for a sub-mesh)",
+                    expected=f"{size} distinct ids for shape {shape}, or a multiple of {size}",
                     got=repr(ids),
                     fix="omit device_ids to number the devices 0..size-1",
                 )
@@ -215,35 +222,42 @@ class DeviceMesh:
             index = index * size + c
         return index
 
-    def __getitem__(self, axes: str | Sequence[str]) -> DeviceMesh:
-        """The sub-mesh over ``axes`` that holds this process's device.
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The device ids of each group of this mesh, in row-major mesh order.
 
-        On the simulated backend that is the slice through device 0; on the distributed
-        backend, the slice through this rank.
-        """
+        A mesh built whole has one group. A sub-mesh (``mesh["tp"]``) has one group per
+        coordinate of the axes it leaves out: every process finds the group that holds its
+        device (on the simulated backend, the first one: the group of device 0)."""
+        n = self.size
+        return tuple(self.device_ids[start : start + n] for start in range(0, len(self.device_ids), n))
+
+    def __getitem__(self, axes: str | Sequence[str]) -> DeviceMesh:
+        """The sub-mesh over ``axes``: one group of devices for each coordinate of the other
+        axes (see :attr:`groups`). Pure data: the same on every process."""
         names = _axis_tuple(axes)
         positions = [self.axis_position(a) for a in names]
-        anchor = self.coordinate(self._anchor_index())
-        ids = []
-        for sub in _coordinates(tuple(self.shape[p] for p in positions)):
-            coordinate = list(anchor)
-            for p, c in zip(positions, sub):
-                coordinate[p] = c
-            ids.append(self.device_ids[self.flat_index(coordinate)])
+        rest = [p for p in range(self.ndim) if p not in positions]
+        groups = []
+        for ids in self.groups:
+            for outer in _coordinates(tuple(self.shape[p] for p in rest)):
+                coordinate = [0] * self.ndim
+                for p, c in zip(rest, outer):
+                    coordinate[p] = c
+                group = []
+                for inner in _coordinates(tuple(self.shape[p] for p in positions)):
+                    for p, c in zip(positions, inner):
+                        coordinate[p] = c
+                    group.append(ids[self.flat_index(coordinate)])
+                groups.append(tuple(group))
+        groups.sort()  # canonical: slicing in steps or at once gives the same mesh
         return DeviceMesh(
             tuple(self.shape[p] for p in positions),
             names,
             self.device_type,
             self.backend,
-            tuple(ids),
+            tuple(i for group in groups for i in group),
         )
-
-    def _anchor_index(self) -> int:
-        if self.backend == "simulated":
-            return 0
-        import torch.distributed as dist
-
-        return self.device_ids.index(dist.get_rank())
 
 
 def simulated_mesh(

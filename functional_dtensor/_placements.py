@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from ._errors import InputTypeError, LayoutError, explain
+from ._public import public
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS", "PartialOp"]
 
@@ -21,6 +22,7 @@ PartialOp: TypeAlias = Literal["sum", "avg", "max", "min"]
 PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 
 
+@public
 class Placement:
     """Base class of :class:`Shard`, :class:`Replicate` and :class:`Partial`."""
 
@@ -36,6 +38,7 @@ class Placement:
         return isinstance(self, Partial)
 
 
+@public
 @dataclass(frozen=True, slots=True)
 class Shard(Placement):
     """Split tensor dim ``dim`` into ``torch.chunk`` blocks along the mesh axis.
@@ -66,6 +69,7 @@ class Shard(Placement):
         return f"S({self.dim})"
 
 
+@public
 @dataclass(frozen=True, slots=True)
 class Replicate(Placement):
     """Every device along the mesh axis holds the whole (already split) block."""
@@ -74,6 +78,7 @@ class Replicate(Placement):
         return "R"
 
 
+@public
 @dataclass(frozen=True, slots=True)
 class Partial(Placement):
     """Every device along the mesh axis holds a partial value; the global value is their

@@ -1,9 +1,9 @@
 """``shard_map``: run a per-device function on the local blocks of global values (JAX semantics).
 
 Specs are pytree prefixes of the arguments and outputs with :class:`P` leaves; ``None`` passes an
-argument through untouched. On the simulated backend the function runs once for all devices,
-under ``torch.func.vmap`` over the stacked device dim; on the distributed backend it runs once
-per rank on the local shard.
+argument through untouched. The mesh's backend runs the function (see :mod:`._backend`): on the
+simulated backend once for all devices, under a vmap over the stacked device dim; on the
+distributed backend once per rank on the local shard.
 
 Gradients treat global values as global: the cotangent of a replicated value is replicated.
 With ``check_rep`` (the default) local values carry the mesh axes they vary over (see
@@ -22,26 +22,17 @@ from typing import Any, NamedTuple, TypeAlias, overload
 
 import optree
 import torch
-from torch._C._functorch import (
-    _add_batch_dim,
-    _remove_batch_dim,
-    _vmap_decrement_nesting,
-    _vmap_increment_nesting,
-    maybe_current_level,
-    maybe_get_level,
-)
-from torch._functorch.vmap import lazy_load_decompositions
 
 from . import _autograd as autograd
-from ._backends.simulated_batching import BatchingRules
-from ._collectives import AllReduce, VaryUnbatched, on_devices, on_storage, pvary
+from ._backend import backend_of
+from ._collectives import AllReduce, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
-from ._dtensor import DTensor, _check_mesh, distribute_storage
+from ._dtensor import DTensor, check_mesh, distribute_storage, gather_storage, storage_of
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placements import Shard
-from ._sharding import check_divisible
+from ._sharding import check_divisible, global_shape_of_even_local
 from ._spec import P
 from ._tracking import ReplicationTracker
 from ._varying import axes_varying, tag
@@ -84,7 +75,7 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, check_rep=True):
     >>> scale(torch.ones(8, 2), torch.tensor([1.0, 2.0])).full_tensor()[0]
     tensor([1., 2.])
     """
-    _check_mesh(mesh, "fd.shard_map(mesh)")
+    check_mesh(mesh, "fd.shard_map(mesh)")
     for name, specs in (("in_specs", in_specs), ("out_specs", out_specs)):
         for accessor, leaf in zip(*optree.tree_flatten_with_accessor(specs, _is_spec, none_is_leaf=True)[:2]):
             if not _is_spec(leaf):
@@ -174,136 +165,80 @@ def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans:
                 fix="map over all the axes you need in the outer shard_map",
             )
         )
+    backend = backend_of(mesh)
     leaves, treedef = optree.tree_flatten(args, none_is_leaf=True, namespace=NAMESPACE)
     plan = _cached(plans[0], treedef, lambda: _EntryPlan.of(in_specs, args, treedef))
-    storages, in_dims = [], []
+    inputs, in_dims = [], []
     for value, spec, where, argument in zip(leaves, plan.specs, plan.wheres, plan.arguments):
         if spec is None:
-            storages.append(value)
+            inputs.append(value)
             in_dims.append(None)
             continue
-        storage, batched = _enter(value, spec, mesh, check_rep, where, argument)
-        storages.append(storage)
+        value, batched = _enter(value, spec, mesh, backend, check_rep, where, argument)
+        inputs.append(value)
         in_dims.append(0 if batched else None)
     in_axes = plan.axes
-
     out_layouts: list = []
     out_treedef: list = []
 
-    simulated = mesh.backend == "simulated"
-    in_dims = tuple(in_dims)
-    # vmap needs one mapped input to know the number of devices
-    needs_device_index = simulated and all(d is None for d in in_dims)
-
-    def per_device(*local_leaves):
-        level = maybe_current_level()
-        frame = Frame(mesh, check_rep, level if simulated else None)
+    def per_device(level, device_level, *local_leaves):
+        frame = Frame(mesh, check_rep, backend, level, device_level)
         with bound_axes(frame):
-            if needs_device_index:
-                local_leaves = local_leaves[:-1]
             if check_rep:
                 local_leaves = [
                     v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes)
                     for v, axes in zip(local_leaves, in_axes)
                 ]
             local_args = treedef.unflatten(local_leaves)
-            if check_rep:
-                with ReplicationTracker(frame, level):
-                    outputs = f(*local_args)
-            elif simulated:
-                with BatchingRules(level):
-                    outputs = f(*local_args)
-            else:
+            mode = ReplicationTracker(frame) if check_rep else backend.ops_mode(frame)
+            if mode is None:
                 outputs = f(*local_args)
+            else:
+                with mode:
+                    outputs = f(*local_args)
             flat, layouts, tree = _leave(outputs, out_specs, mesh, check_rep, plans[1])
-            if simulated:
-                flat = [_on_devices(v, layout, frame) for v, layout in zip(flat, layouts)]
+            flat = [
+                v if layout is None else backend.leave(v, layout.is_replicated, frame)
+                for v, layout in zip(flat, layouts)
+            ]
         out_layouts[:] = layouts  # vmap returns tensors only: the layouts come back this way
         out_treedef[:] = [tree]
         return tuple(flat)
 
-    if simulated:
-        if needs_device_index:
-            storages, in_dims = [*storages, torch.arange(mesh.size)], (*in_dims, 0)
-        results, batched = _over_devices(per_device, mesh.size, in_dims, storages)
-    else:
-        results = per_device(*storages)
-        batched = [True] * len(results)
+    results, batched = backend.run_per_device(per_device, mesh.size, tuple(in_dims), inputs)
     values = []
     for storage, is_batched, layout in zip(results, batched, out_layouts):
         if layout is None:
             values.append(storage)
-            continue
-        if not is_batched:  # simulated, the same on every device: held once
-            values.append(DTensor._of_replica(storage, layout))
-            continue
-        local_shape = storage.shape[1:] if simulated else storage.shape
-        shape = list(local_shape)
-        for axis, placement in enumerate(layout.placements):
-            if isinstance(placement, Shard):
-                shape[placement.dim] *= mesh.shape[axis]
-        if not check_rep:
-            replicas = math.prod(
-                [s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard)]
-            )
-            if replicas > 1:
-                storage = autograd.apply(_SplitCotangent, storage, replicas)
-        values.append(DTensor(storage, layout, shape))
+        elif not is_batched:  # the same on every device, held once
+            values.append(DTensor(distribute_storage(storage, layout), layout, storage.shape))
+        else:
+            shape = global_shape_of_even_local(layout, backend.block_shape(storage))
+            if not check_rep:
+                replicas = math.prod(
+                    [s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard)]
+                )
+                if replicas > 1:
+                    storage = autograd.apply(_SplitCotangent, storage, replicas)
+            values.append(DTensor(storage, layout, shape))
     return out_treedef[0].unflatten(values)
 
 
-def _over_devices(per_device, size: int, in_dims, storages):
-    """``torch.func.vmap(per_device, in_dims, randomness="different")(*storages)``, calling
-    functorch's batching primitives directly (the arguments are flat already: vmap's pytree
-    handling is pure overhead). Outputs not batched over the devices come back as they are;
-    returns the outputs and whether each was batched."""
-    if torch.compiler.is_compiling():
-        outputs = torch.func.vmap(per_device, in_dims=in_dims, randomness="different")(*storages)
-        return outputs, [True] * len(outputs)
-    _load_decompositions()
-    level = _vmap_increment_nesting(size, "different")
-    try:
-        inputs = [v if d is None else _add_batch_dim(v, d, level) for v, d in zip(storages, in_dims)]
-        outputs = per_device(*inputs)
-        batched = [v is not None and maybe_get_level(v) == level for v in outputs]
-        outputs = [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)]
-        return outputs, batched
-    finally:
-        _vmap_decrement_nesting()
-
-
-def _on_devices(value, layout: Layout | None, frame: Frame):
-    """An output of the per-device function as per-device values for the device vmap; with
-    ``check_rep``, a replicated output the same on every device stays one value."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if frame.check_rep and layout.is_replicated and not torch.compiler.is_compiling():
-        return value
-    return on_devices(value, frame)
-
-
-@functools.cache
-def _load_decompositions() -> None:
-    """The Python decompositions vmap needs for some ops, registered once (as vmap does)."""
-    lazy_load_decompositions()
-
-
-def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argument: str):
-    """The storage of one argument and whether it is batched over the devices: its stacked
-    shards (simulated) or this rank's shard. On the simulated backend a replicated argument
-    enters as one unbatched value, the same on every device."""
+def _enter(value, spec: P, mesh: DeviceMesh, backend, check_rep: bool, where: str, argument: str):
+    """One argument as the per-device function's input, and whether it is per-device: its
+    storage (stacked shards, or this rank's shard). Where the backend holds values the same on
+    every device once, a replicated argument enters as one value."""
     if isinstance(value, DTensor):
         layout = _checked_layout(mesh, spec, value.layout, value.shape, where, argument)
-        if mesh.backend == "simulated" and layout.is_replicated:
-            one = value._replica if value._replica is not None else value._storage[0]
-            return _replicated(one, mesh, check_rep), False
-        storage = value._storage
+        storage = storage_of(value)
+        if layout.is_replicated and backend.holds_replicas_once:
+            return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
     elif isinstance(value, torch.Tensor):
         layout = _checked_layout(mesh, spec, None, value.shape, where, argument)
         if value.device.type != mesh.device_type:
             value = value.to(mesh.device_type)
         if layout.is_replicated:  # every device's block is the whole value
-            if mesh.backend == "simulated":
+            if backend.holds_replicas_once:
                 return _replicated(value, mesh, check_rep), False
             storage = value
         else:
@@ -318,7 +253,7 @@ def _enter(value, spec: P, mesh: DeviceMesh, check_rep: bool, where: str, argume
                 fix="give it the spec None to pass it through untouched",
             )
         )
-    if not check_rep and not all([isinstance(p, Shard) for p in layout.placements]):
+    if not check_rep and not layout.is_fully_sharded:
         storage = autograd.apply(_SumOverReplicas, storage, layout)
     return storage, True
 
@@ -354,12 +289,12 @@ def _checked_layout(mesh: DeviceMesh, spec: P, value_layout, shape, where: str, 
 
 
 def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch.Tensor:
-    """A replicated argument on the simulated backend: one unbatched value. Unchecked, its
-    gradient is the sum of every device's contribution, which broadcasting computes; counted
-    as the all-reduce the distributed backend runs for it."""
+    """A replicated argument held once. Unchecked, its gradient is the sum of every device's
+    contribution, which broadcasting computes; counted as the all-reduce the distributed
+    backend runs for it."""
     if check_rep:
         return value
-    return on_storage(value, mesh, VaryUnbatched, mesh.axis_names)
+    return on_storage(value, mesh, VaryHeldOnce, mesh.axis_names)
 
 
 def _exit_plan(out_specs, outputs, tree):

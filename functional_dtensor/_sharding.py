@@ -3,8 +3,8 @@
 Blocks follow ``torch.chunk`` (as DTensor): a dim of size ``s`` split over ``n`` devices gives
 ceil-sized chunks ``c = ceil(s / n)``; device ``i`` holds ``[i*c, min((i+1)*c, s))``, so trailing
 devices may be short or empty (5 over 4 -> 2, 2, 1, 0; 6 over 4 -> 2, 2, 2, 0). When several
-mesh axes split one dim, they apply left to right in mesh order, each splitting the block the
-previous ones left.
+mesh axes split one dim, they apply in the layout's order for that dim, major first (the mesh's
+unless the layout says otherwise), each splitting the block the previous ones left.
 
 ``shard_table`` answers for every device at once and is cached by value, so callers pay the
 per-device loop once per (layout, shape), never per op.
@@ -18,9 +18,8 @@ from typing import NamedTuple
 
 from ._errors import ShapeError, explain
 from ._layout import Layout
-from ._placements import Shard
 
-__all__ = ["chunk", "ShardTable", "shard_table", "global_shape_of_even_local"]
+__all__ = ["chunk", "ShardTable", "shard_table", "global_shape_of_even_local", "check_divisible"]
 
 
 def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -56,9 +55,8 @@ def shard_table(layout: Layout, global_shape: tuple[int, ...]) -> ShardTable:
     for device in range(mesh.size):
         coordinate = mesh.coordinate(device)
         shape, offset = list(global_shape), [0] * len(global_shape)
-        for axis, placement in enumerate(layout.placements):
-            if isinstance(placement, Shard):
-                d = placement.dim
+        for d in range(len(global_shape)):
+            for axis in layout.sharding_axes(d):
                 length, start = chunk(shape[d], mesh.shape[axis], coordinate[axis])
                 shape[d] = length
                 offset[d] = global_shape[d] if length == 0 else offset[d] + start
@@ -70,12 +68,12 @@ def shard_table(layout: Layout, global_shape: tuple[int, ...]) -> ShardTable:
 
 
 def global_shape_of_even_local(layout: Layout, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The global shape whose even split gives ``local_shape`` on every device."""
-    shape = list(local_shape)
-    for axis, placement in enumerate(layout.placements):
-        if isinstance(placement, Shard):
-            shape[placement.dim] *= layout.mesh.shape[axis]
-    return tuple(shape)
+    """The global shape whose even split gives ``local_shape`` on every device: the one rule
+    for the global shape of local shards (``from_local``, ``shard_map`` outputs)."""
+    sizes = layout.mesh.shape
+    return tuple(
+        [n * math.prod([sizes[a] for a in layout.sharding_axes(d)]) for d, n in enumerate(local_shape)]
+    )
 
 
 @lru_cache(maxsize=4096)

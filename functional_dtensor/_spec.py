@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from ._errors import InputTypeError, LayoutError, explain
+from ._public import public
 
 __all__ = ["P", "SpecEntry"]
 
@@ -43,6 +44,7 @@ def _canonical_entry(entry: object, position: int) -> str | tuple[str, ...] | No
     )
 
 
+@public
 @dataclass(frozen=True, slots=True, init=False)
 class P:
     """A partition spec: ``P('x', None)`` splits dim 0 over mesh axis ``x``."""

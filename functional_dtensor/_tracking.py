@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch._C._functorch import maybe_current_level, maybe_get_level
 from torch.overrides import TorchFunctionMode
 
-from ._backends.simulated_batching import by_rule
-from ._collectives import on_devices, vary
+from ._backend import current_level
+from ._collectives import vary
 from ._context import Frame
 from ._errors import FunctionalDTensorError, explain
+from ._op_args import replace_inputs, tensors_of
 from ._varying import axes_varying, tag
 
 __all__ = ["ReplicationTracker"]
@@ -51,38 +51,22 @@ _RANDOM = {
     torch.Tensor.log_normal_,
 }
 
-_IN_PLACE = {
-    getattr(torch.Tensor, name)
-    for name in dir(torch.Tensor)
-    if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name, None))
-}
-
-
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    found = []
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found += [item for item in value if isinstance(item, torch.Tensor)]
-    return found
-
 
 class ReplicationTracker(TorchFunctionMode):
     """Propagate the varying axes of local values through every torch op."""
 
-    def __init__(self, frame: Frame, level: int | None) -> None:
+    def __init__(self, frame: Frame) -> None:
         super().__init__()
         self.frame = frame
         self.all_axes = frozenset(frame.mesh.axis_names)
-        self.level = level  # the functorch level the per-device function runs at
-        self.device_level = frame.device_level  # simulated backend: the level of the device dim
+        self.level = frame.level  # the functorch level the per-device function runs at
+        self.run_op = frame.backend.run_op
         self.compiling = torch.compiler.is_compiling()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if not self.compiling and maybe_current_level() != self.level:
+        if not self.compiling and current_level() != self.level:
             raise FunctionalDTensorError(
                 explain(
                     "fd.shard_map(check_rep=True)",
@@ -92,7 +76,7 @@ class ReplicationTracker(TorchFunctionMode):
                     fix="pass check_rep=False, or apply the transform outside shard_map",
                 )
             )
-        tensors = _tensors(args, kwargs)
+        tensors = tensors_of(args, kwargs)
         varying, mixed = frozenset(), False
         if tensors:
             varying = axes_varying(tensors[0])
@@ -104,13 +88,7 @@ class ReplicationTracker(TorchFunctionMode):
             varying = self.all_axes
         elif mixed:
             args, kwargs = self._pvary_inputs(func, args, kwargs, varying)
-        out = None
-        if self.device_level is not None:
-            if varying != self.all_axes and len(tensors) > 1:
-                args, kwargs = self._lift_inputs(func, args, kwargs)
-            out = by_rule(func, self.device_level, args, kwargs)
-        if out is None:
-            out = func(*args, **kwargs)
+        out = self.run_op(self.frame, func, args, kwargs, varying != self.all_axes and len(tensors) > 1)
         if varying:
             if isinstance(out, torch.Tensor):
                 tag(out, varying)
@@ -120,39 +98,9 @@ class ReplicationTracker(TorchFunctionMode):
                         tag(item, varying)
         return out
 
-    def _lift_inputs(self, func, args, kwargs):
-        """On the simulated backend, where values the same on every device meet per-device
-        values, make them per-device copies first: broadcasting alone would sum their gradient
-        over the devices along which they are replicated."""
-        level = self.device_level
-        levels = [maybe_get_level(t) == level for t in _tensors(args, kwargs)]
-        if all(levels) or not any(levels):
-            return args, kwargs
-
-        def lift(value):
-            return value if maybe_get_level(value) == level else on_devices(value, self.frame)
-
-        return _replace_inputs(func, args, kwargs, lift)
-
     def _pvary_inputs(self, func, args, kwargs, varying):
         def lift(value):
             missing = varying - axes_varying(value)
             return vary(value, self.frame, tuple(sorted(missing))) if missing else value
 
-        return _replace_inputs(func, args, kwargs, lift)
-
-
-def _replace_inputs(func, args, kwargs, replace):
-    """``args`` and ``kwargs`` with every tensor (also inside lists and tuples) passed through
-    ``replace``, except the tensor an in-place method writes to."""
-
-    def each(value):
-        if isinstance(value, torch.Tensor):
-            return replace(value)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)([each(v) for v in value])
-        return value
-
-    in_place = func in _IN_PLACE
-    args = tuple([a if in_place and i == 0 else each(a) for i, a in enumerate(args)])
-    return args, ({k: each(v) for k, v in kwargs.items()} if kwargs else kwargs)
+        return replace_inputs(func, args, kwargs, lift)

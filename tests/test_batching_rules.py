@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
-from functional_dtensor._backends import simulated_batching
+from functional_dtensor._simulated import batching as simulated_batching
 
 OPS = {
     "@": operator.matmul,

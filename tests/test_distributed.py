@@ -261,7 +261,7 @@ def test_axes_out_of_mesh_order_on_gloo_match_simulated(name, check_rep, gloo): 
 def job_block_order(axes) -> dict:
     """What device (x, y) sees of the flat indices along ``axes``: its own, everyone's gathered,
     the one ppermute's ring brings, and its block of a psum_scatter."""
-    from functional_dtensor._backends import distributed
+    from functional_dtensor._distributed import runtime as distributed
 
     mesh = _gloo_mesh((2, 2), ("x", "y"))
     n = 4
@@ -948,7 +948,7 @@ def job_groups_reused() -> dict:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from functional_dtensor._backends import distributed
+    from functional_dtensor._distributed import runtime as distributed
 
     mesh = _gloo_mesh((2, 2), ("x", "y"))
     rounds = []
@@ -988,7 +988,7 @@ def job_sub_mesh_groups() -> list[list[int]]:
     can hang (ranks of different sub-meshes rendezvous under one group name)."""
     import torch.distributed.device_mesh as torch_device_mesh
 
-    from functional_dtensor._backends import distributed
+    from functional_dtensor._distributed import runtime as distributed
 
     mesh = _gloo_mesh((2, 2), ("x", "y"))
     sub = mesh["y"]
@@ -1009,14 +1009,15 @@ def job_sub_mesh_groups() -> list[list[int]]:
         pass
     finally:
         torch_device_mesh.new_group = real
-    return [sub.device_ids, calls]
+    return [sub.device_ids, distributed.group_ids(sub), calls]
 
 
 def test_sub_mesh_groups_are_created_consistently(gloo):  # noqa: F811
     answers = gloo.run(4, job_sub_mesh_groups)
-    for rank, (ids, _) in enumerate(answers):
-        assert ids == ((0, 1) if rank < 2 else (2, 3)), rank
-    calls = [c for _, c in answers]
+    for rank, (ids, mine, _) in enumerate(answers):
+        assert ids == (0, 1, 2, 3), rank  # pure data: the same on every rank
+        assert mine == ((0, 1) if rank < 2 else (2, 3)), rank
+    calls = [c for *_, c in answers]
     assert all(c == calls[0] for c in calls), f"new_group calls per rank: {calls}"
     for rank, got in enumerate(gloo.run(4, job_sub_mesh_psum, timeout=20)):
         _close(got["full"], got["value"][:2] + got["value"][2:], f"rank {rank}: psum over mesh['y']")
@@ -1027,7 +1028,9 @@ def job_sub_mesh_psum() -> dict:
     mesh = _gloo_mesh((2, 2), ("x", "y"))
     sub = mesh["y"]
     f = fd.shard_map(lambda v: fd.psum(v, "y"), mesh=sub, in_specs=fd.P("y"), out_specs=fd.P())
-    value = torch.arange(4.0) + 10 * sub.device_ids[0]
+    from functional_dtensor._distributed import runtime
+
+    value = torch.arange(4.0) + 10 * runtime.group_ids(sub)[0]
     return {"full": f(value).full_tensor(), "value": value}
 
 

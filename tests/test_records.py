@@ -316,28 +316,35 @@ def test_mesh_sizes(mesh):
 
 
 @given(st.data())
-def test_sub_mesh_is_the_slice_through_device_zero(data):
+def test_sub_mesh_has_one_group_per_slice(data):
     mesh = data.draw(fds.meshes())
     axes = tuple(data.draw(st.permutations(mesh.axis_names))[: data.draw(st.integers(1, mesh.ndim))])
     positions = [mesh.axis_names.index(a) for a in axes]
     rest = [p for p in range(mesh.ndim) if p not in positions]
     grid = np.arange(mesh.size).reshape(mesh.shape).transpose(positions + rest)
-    expected_ids = grid[(Ellipsis, *[0] * len(rest))].reshape(-1)
+    groups = grid.reshape(-1, int(np.prod([mesh.shape[p] for p in rest], dtype=int))).T  # one row per slice
+    expected = sorted(tuple(int(i) for i in row) for row in groups)
     sub = mesh[axes if len(axes) > 1 else axes[0]]
     assert sub.shape == tuple(mesh.shape[p] for p in positions)
     assert sub.axis_names == axes
-    assert sub.device_ids == tuple(int(i) for i in expected_ids)
+    assert list(sub.groups) == expected
+    assert sub.groups[0] == tuple(
+        int(i) for i in grid[(Ellipsis, *[0] * len(rest))].reshape(-1)
+    )  # through device 0
     assert sub.backend == mesh.backend and sub.device_type == mesh.device_type
-    # slicing again composes
-    assert sub[axes[0]].device_ids == mesh[axes[0]].device_ids
+    # slicing again composes, and the sub-mesh is the same data whoever slices it
+    assert sub[axes[0]] == mesh[axes[0]]
     assert eval(repr(sub), NAMESPACE) == sub
 
 
 def test_sub_mesh_example():
     mesh = fd.simulated_mesh((2, 4), ("dp", "tp"))
-    assert mesh["tp"] == fd.DeviceMesh((4,), ("tp",), device_ids=(0, 1, 2, 3))
-    assert mesh["dp"] == fd.DeviceMesh((2,), ("dp",), device_ids=(0, 4))
+    assert mesh["tp"] == fd.DeviceMesh((4,), ("tp",), device_ids=(0, 1, 2, 3, 4, 5, 6, 7))
+    assert mesh["tp"].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert mesh["dp"].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert mesh[("tp", "dp")].device_ids == (0, 4, 1, 5, 2, 6, 3, 7)
-    assert repr(mesh["dp"]) == "DeviceMesh(shape=(2,), axis_names=('dp',), device_ids=(0, 4))"
+    assert (
+        repr(mesh["dp"]) == "DeviceMesh(shape=(2,), axis_names=('dp',), device_ids=(0, 4, 1, 5, 2, 6, 3, 7))"
+    )
     with pytest.raises(fd.MeshError, match="'pp'"):
         mesh["pp"]

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
-from functional_dtensor._redistribute_plan import Regather, lower_bound, plan, step_bytes
+from functional_dtensor._plan import Regather, lower_bound, plan, step_bytes
 from functional_dtensor.testing import strategies as fds
 
 
@@ -171,7 +171,7 @@ def test_plans_are_the_same_in_every_process():
 
     script = (
         "import functional_dtensor as fd\n"
-        "from functional_dtensor._redistribute_plan import plan\n"
+        "from functional_dtensor._plan import plan\n"
         "mesh = fd.simulated_mesh((2, 2, 2), ('x', 'y', 'z'))\n"
         "ops = [fd.Partial('sum'), fd.Partial('max'), fd.Partial('avg')]\n"
         "src, dst = fd.Layout(mesh, tuple(ops)), fd.Layout(mesh, (fd.Replicate(),) * 3)\n"

@@ -1,8 +1,11 @@
-"""Runtime state of the distributed backend: the process group and one group per mesh axis.
+"""Runtime state of the distributed backend: the process group, this rank's place in a mesh and
+one process group per mesh axis.
 
-A :class:`DeviceMesh` is pure data; this module looks up, by mesh, the ``torch.distributed``
-process groups it runs on. Groups are built once (per-axis groups when the mesh is made,
-flattened groups for a tuple of axes on first use, by every rank alike) and reused.
+A :class:`DeviceMesh` is pure data, the same on every rank; this module looks up, by mesh, what
+it means here: the group of the mesh that holds this rank (a sub-mesh stands for several), this
+rank's coordinate in it, and the ``torch.distributed`` process groups it runs on. Groups are
+built once (per-axis groups when the mesh is made, flattened groups for a tuple of axes on first
+use, by every rank alike) and reused.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ import torch.distributed as dist
 from .._errors import MeshError, explain
 from .._mesh import DeviceMesh
 
-__all__ = ["init_device_mesh", "group", "group_index", "coordinate", "DEFAULT_TIMEOUT"]
+__all__ = [
+    "init_device_mesh",
+    "group",
+    "group_ids",
+    "coordinate",
+    "device_index",
+    "group_index",
+    "DEFAULT_TIMEOUT",
+]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("FD_COLLECTIVE_TIMEOUT", 300)))
 
@@ -61,9 +72,9 @@ def init_device_mesh(
 
 
 def torch_mesh(mesh: DeviceMesh):
-    """The ``torch.distributed.DeviceMesh`` with the same ranks and axis names. A sub-mesh
-    (``mesh["tp"]``) is sliced from the mesh it came from, whose groups every rank created
-    together: ranks must never create groups on their own."""
+    """The ``torch.distributed.DeviceMesh`` of the group of ``mesh`` that holds this rank. A
+    sub-mesh (``mesh["tp"]``) is sliced from the mesh it came from, whose groups every rank
+    created together: ranks must never create groups on their own."""
     found = _torch_meshes.get(mesh)
     if found is None:
         _check_initialized(mesh)
@@ -77,7 +88,7 @@ def torch_mesh(mesh: DeviceMesh):
                 found = root_torch_mesh[names]
                 break
         else:
-            ids = torch.tensor(mesh.device_ids, dtype=torch.int).reshape(mesh.shape)
+            ids = torch.tensor(group_ids(mesh), dtype=torch.int).reshape(mesh.shape)
             found = TorchMesh(mesh.device_type.split(":")[0], ids, mesh_dim_names=mesh.axis_names)
         if found is None:
             raise MeshError(
@@ -107,6 +118,33 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
     return found
 
 
+def group_ids(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The ids of the devices of the group of ``mesh`` that holds this rank, in mesh order."""
+    _check_initialized(mesh)
+    return _group_ids(mesh, dist.get_rank())
+
+
+@functools.lru_cache(maxsize=256)
+def _group_ids(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
+    for ids in mesh.groups:
+        if rank in ids:
+            return ids
+    raise MeshError(
+        explain(
+            "fd distributed backend",
+            f"rank {rank} is not a device of the mesh",
+            expected=f"a mesh whose device ids include {rank}",
+            got=repr(mesh),
+            fix="build the mesh with fd.init_device_mesh(...) in every rank, and slice it there",
+        )
+    )
+
+
+def device_index(mesh: DeviceMesh) -> int:
+    """This rank's flat (row-major) index in its group of ``mesh``."""
+    return group_ids(mesh).index(dist.get_rank())
+
+
 def coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     """This rank's coordinate in ``mesh``."""
     _check_initialized(mesh)
@@ -115,7 +153,7 @@ def coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=256)
 def _coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
-    return mesh.coordinate(mesh.device_ids.index(rank))
+    return mesh.coordinate(_group_ids(mesh, rank).index(rank))
 
 
 def group_index(mesh: DeviceMesh, axes: tuple[str, ...]) -> int:
@@ -129,7 +167,7 @@ def group_index(mesh: DeviceMesh, axes: tuple[str, ...]) -> int:
 
 
 def _check_initialized(mesh: DeviceMesh) -> None:
-    if mesh.backend != "distributed" or not dist.is_initialized():
+    if not dist.is_initialized():
         raise MeshError(
             explain(
                 "fd distributed backend",

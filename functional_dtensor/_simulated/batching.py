@@ -14,26 +14,11 @@ the innermost transform) and returns the batched result, or ``None`` where it do
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import (
-    _add_batch_dim,
-    _unwrap_batched,
-    maybe_get_level,
-    pop_dynamic_layer_stack,
-    push_dynamic_layer_stack,
-)
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["below_device_level", "by_rule", "BatchingRules"]
+from .functorch import add_batch_dim, below_current_level, level_of, unwrap_batched
 
-
-def below_device_level(fn, *args):
-    """``fn(*args)`` with the device vmap level (the innermost transform) popped: on the
-    stacked values themselves, below the per-device view."""
-    saved = pop_dynamic_layer_stack()
-    try:
-        return fn(*args)
-    finally:
-        push_dynamic_layer_stack(saved)
+__all__ = ["by_rule", "BatchingRules"]
 
 
 def _replicated_times_blocks(level: int, args, kwargs, *, matrix_only: bool):
@@ -43,19 +28,19 @@ def _replicated_times_blocks(level: int, args, kwargs, *, matrix_only: bool):
     x, w = args
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         return None
-    if maybe_get_level(x) >= level or maybe_get_level(w) != level:
+    if level_of(x) >= level or level_of(w) != level:
         return None
     if w.dim() != 2 or x.dim() == 0 or (matrix_only and x.dim() != 2) or x.shape[-1] != w.shape[0]:
         return None
-    blocks, device_dim = _unwrap_batched(w, level)
+    blocks, device_dim = unwrap_batched(w, level)
     if blocks.dim() != 3:  # batched at this level over more than the devices
         return None
     blocks = blocks.movedim(device_dim, 1)  # (k, n, m)
     k, n, m = blocks.shape
     if blocks.stride(1) != m * blocks.stride(2):  # the device dim does not fold into the columns
         return None
-    out = below_device_level(lambda: torch.matmul(x, blocks.reshape(k, n * m)).unflatten(-1, (n, m)))
-    return _add_batch_dim(out, out.dim() - 2, level)
+    out = below_current_level(lambda: torch.matmul(x, blocks.reshape(k, n * m)).unflatten(-1, (n, m)))
+    return add_batch_dim(out, out.dim() - 2, level)
 
 
 def _matmul(level, args, kwargs):

@@ -1,11 +1,12 @@
-"""How collectives execute on the distributed backend, on this rank's local tensor: c10d calls
-when eager (the lightest path; a failure or a timeout becomes a :class:`CommunicationError`),
-``torch.distributed`` functional collectives under ``torch.compile`` (traceable).
+"""The kernels of the distributed backend, on this rank's local tensor: c10d calls when eager
+(the lightest path; a failure or a timeout becomes a :class:`CommunicationError`, see
+:mod:`.errors`), ``torch.distributed`` functional collectives under ``torch.compile``
+(traceable).
 
-Groups come from :mod:`.distributed` (one per mesh axis, one per flattened tuple of axes). A
-group orders its ranks in mesh order; when a tuple of axes is given in another order, the
-blocks are reordered around the collective so that block ``i`` is the ``i``-th device in the
-order the names were given (major first), as on the simulated backend.
+Groups come from :mod:`.runtime` (one per mesh axis, one per flattened tuple of axes). A group
+orders its ranks in mesh order; when a tuple of axes is given in another order, the blocks are
+reordered around the collective so that block ``i`` is the ``i``-th device in the order the
+names were given (major first), as on the simulated backend.
 """
 
 from __future__ import annotations
@@ -16,11 +17,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .._errors import CommunicationError, explain
+from .. import _blocks as blocks
 from .._mesh import DeviceMesh
-from . import distributed
+from . import runtime
+from .errors import c10d
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "axis_index"]
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "permute",
+    "axis_index",
+    "slice_blocks",
+    "partition",
+    "reduce_broadcast",
+]
 
 _C10D_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -34,37 +46,14 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-_LOST_PEER = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe")
-
-
-def _c10d(collective, *args, group, **kwargs) -> None:
-    try:
-        collective(*args, group=group, **kwargs)
-    except RuntimeError as error:
-        if not isinstance(error, dist.DistBackendError) and not any(
-            [word in str(error).lower() for word in _LOST_PEER]
-        ):
-            raise
-        raise CommunicationError(
-            explain(
-                f"fd collective ({collective.__name__} over {dist.get_world_size(group)} ranks)",
-                "the collective failed",
-                expected="every rank of the group to join it",
-                got=str(error).splitlines()[0],
-                fix="check the other ranks' logs: a rank that died, or that skipped this "
-                "collective, stops the others; the process group's timeout bounds the wait",
-            )
-        ) from error
-
-
 def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
     if op == "avg" and not (x.is_floating_point() or x.is_complex()):
-        # integer averages round down, as on the simulated backend (gloo averages in float)
-        return _all_reduce(x, "sum", group).div(dist.get_world_size(group), rounding_mode="floor")
+        # the average of _blocks.reduce, rounded down (gloo averages integers in float)
+        return blocks.average(_all_reduce(x, "sum", group), dist.get_world_size(group))
     if torch.compiler.is_compiling():
         return _wait(funcol.all_reduce(x, op, group))
     out = x.clone(memory_format=torch.contiguous_format)
-    _c10d(all_reduce_in_place, out, op=_C10D_OPS[op], group=group)
+    c10d(all_reduce_in_place, out, op=_C10D_OPS[op], group=group)
     return out
 
 
@@ -91,7 +80,7 @@ def _all_gather(x: torch.Tensor, size: int, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _wait(funcol.all_gather_single(x, 0, group))
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    _c10d(dist.all_gather_into_tensor, out, x, group=group)
+    c10d(dist.all_gather_into_tensor, out, x, group=group)
     return out
 
 
@@ -101,7 +90,7 @@ def _reduce_scatter(x: torch.Tensor, size: int, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _wait(funcol.reduce_scatter_single(x, "sum", 0, group))
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    _c10d(dist.reduce_scatter_tensor, out, x, group=group)
+    c10d(dist.reduce_scatter_tensor, out, x, group=group)
     return out
 
 
@@ -110,7 +99,7 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _wait(funcol.all_to_all_single(x, out_splits, in_splits, group))
     out = x.new_empty((sum(out_splits) if out_splits is not None else x.shape[0], *x.shape[1:]))
-    _c10d(dist.all_to_all_single, out, x, out_splits, in_splits, group=group)
+    c10d(dist.all_to_all_single, out, x, out_splits, in_splits, group=group)
     return out
 
 
@@ -141,13 +130,13 @@ def _reorder_blocks(x: torch.Tensor, dim: int, mesh: DeviceMesh, axes: tuple[str
 
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
-    return _all_reduce(x, op, distributed.group(mesh, axes))
+    return _all_reduce(x, op, runtime.group(mesh, axes))
 
 
 def all_gather(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
 ) -> torch.Tensor:
-    group = distributed.group(mesh, axes)
+    group = runtime.group(mesh, axes)
     size = mesh.axis_size(axes)
     stacked = _all_gather(x, size, group)  # (size * x0, ...)
     stacked = stacked.reshape(size, *x.shape)
@@ -161,7 +150,7 @@ def all_gather(
 def reduce_scatter(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
 ) -> torch.Tensor:
-    group = distributed.group(mesh, axes)
+    group = runtime.group(mesh, axes)
     size = mesh.axis_size(axes)
     if tiled:
         x = x.reshape(*x.shape[:dim], size, x.shape[dim] // size, *x.shape[dim + 1 :])
@@ -175,7 +164,7 @@ def reduce_scatter(
 def all_to_all(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool
 ) -> torch.Tensor:
-    group = distributed.group(mesh, axes)
+    group = runtime.group(mesh, axes)
     size = mesh.axis_size(axes)
     if tiled:
         x = x.reshape(*x.shape[:split], size, x.shape[split] // size, *x.shape[split + 1 :])
@@ -194,9 +183,9 @@ def permute(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
 ) -> torch.Tensor:
     """Send to ``dst`` and receive from ``src`` for each pair (zeros where nothing arrives)."""
-    group = distributed.group(mesh, axes)
+    group = runtime.group(mesh, axes)
     size = mesh.axis_size(axes)
-    me = distributed.group_index(mesh, axes)
+    me = runtime.group_index(mesh, axes)
     to_mesh = _mesh_positions(mesh, axes)
     numel = x.numel()
     send = [0] * size
@@ -232,26 +221,26 @@ def _mesh_positions(mesh: DeviceMesh, axes: tuple[str, ...]) -> list[int]:
 
 
 def axis_index(mesh: DeviceMesh, axes: tuple[str, ...], device: str) -> torch.Tensor:
-    return torch.tensor(distributed.group_index(mesh, axes), device=device)
+    return torch.tensor(runtime.group_index(mesh, axes), device=device)
 
 
-def reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int) -> torch.Tensor:
+def _reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int) -> torch.Tensor:
     """The sum over the group into the device at flat mesh index ``root`` (the others' results
     are not meaningful); under compile, an all-reduce."""
-    group = distributed.group(mesh, axes)
+    group = runtime.group(mesh, axes)
     if torch.compiler.is_compiling():
         return _wait(funcol.all_reduce(x, "sum", group))
     out = x.clone(memory_format=torch.contiguous_format)
-    _c10d(dist.reduce, out, mesh.device_ids[root], group=group)
+    c10d(dist.reduce, out, runtime.group_ids(mesh)[root], group=group)
     return out
 
 
-def broadcast(
+def _broadcast(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int, *, donate: bool = False
 ) -> torch.Tensor:
     """The value of the device at flat mesh index ``root``, on every device of the group
     (``donate``: ``x`` is a private buffer and may be overwritten)."""
-    group = distributed.group(mesh, axes)
+    group = runtime.group(mesh, axes)
     if torch.compiler.is_compiling():
         coordinate = mesh.coordinate(root)
         group_rank = 0  # the root's rank within the group: its index along the axes, mesh order
@@ -260,5 +249,30 @@ def broadcast(
             group_rank = group_rank * mesh.shape[position] + coordinate[position]
         return _wait(funcol.broadcast(x, group_rank, group))
     out = x if donate and x.is_contiguous() else x.contiguous().clone()
-    _c10d(dist.broadcast, out, mesh.device_ids[root], group=group)
+    c10d(dist.broadcast, out, runtime.group_ids(mesh)[root], group=group)
     return out
+
+
+def slice_blocks(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+    """Keep block ``i`` of dim ``dim``, ``i`` this rank's index along ``axes``."""
+    size = x.shape[dim] // mesh.axis_size(axes)
+    return x.narrow(dim, runtime.group_index(mesh, axes) * size, size)
+
+
+def partition(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str) -> torch.Tensor:
+    """This rank's part of a value replicated along ``axes`` (see ``_blocks.partition``)."""
+    return blocks.partition(x, op, mesh.axis_size(axes), runtime.group_index(mesh, axes) == 0)
+
+
+def reduce_broadcast(x: torch.Tensor, mesh: DeviceMesh, a: int, b: int, op: str) -> torch.Tensor:
+    """Partial on axis ``a``, Shard on axis ``b`` (equal sizes) -> Shard on ``a``, Replicate on
+    ``b``: the group along ``a`` of column ``j`` reduces into the device at ``a = j``, which
+    broadcasts along its row (``b``)."""
+    here = list(runtime.coordinate(mesh))
+    root = list(here)
+    root[a] = here[b]  # the device of my column on the diagonal
+    out = _reduce(x, mesh, (mesh.axis_names[a],), mesh.flat_index(root))
+    source = list(here)
+    source[b] = here[a]  # the device of my row on the diagonal
+    out = _broadcast(out, mesh, (mesh.axis_names[b],), mesh.flat_index(source), donate=True)
+    return blocks.average(out, mesh.shape[a]) if op == "avg" else out

@@ -1,0 +1,185 @@
+"""The backend interface: the one place that asks which backend a mesh has.
+
+``backend_of(mesh)`` returns the mesh's :class:`Backend`, which offers the layers above
+everything that differs between running every device in this process (``simulated``: each value
+is the stack of all devices' shards) and one process per device (``distributed``: each value is
+this rank's shard):
+
+* **storage**: a global value to and from its storage (``distribute``, ``gather``), the shards
+  this process holds, storage from local shards, a factory's storage;
+* **kernels**, on storage: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+  ``permute``, ``reduce_broadcast``, ``axis_index``, ``slice``, ``partition``;
+* the **per-device engine** of ``shard_map``: running the per-device function, a collective on a
+  per-device value, a torch op of the per-device function.
+
+Communication is recorded here and nowhere else (:meth:`Backend.count`): every kernel that
+moves data between devices, and the regathering of a value that ``redistribute`` falls back to.
+Reading a global value (``full_tensor``, and the gradient of a global tensor given to
+``distribute_tensor`` or ``shard_map``) is not counted: it moves no data on the simulated
+backend.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+
+from . import _comm_log as comm_log
+from ._distributed import engine as distributed_engine
+from ._distributed import kernels as distributed_kernels
+from ._distributed import storage as distributed_storage
+from ._layout import Layout
+from ._mesh import DeviceMesh
+from ._placements import Partial, Shard
+from ._sharding import shard_table
+from ._simulated import engine as simulated_engine
+from ._simulated import kernels as simulated_kernels
+from ._simulated import storage as simulated_storage
+from ._simulated.functorch import current_level
+
+__all__ = ["Backend", "backend_of", "current_level"]
+
+
+class Backend:
+    """One backend: its storage, kernels and per-device engine behind one set of methods."""
+
+    def __init__(
+        self, name: str, storage: ModuleType, kernels: ModuleType, engine: ModuleType, *, stacked: bool
+    ):
+        self.name = name
+        self.stacked = stacked  # storage carries a leading dim over this process's devices
+        # a value the same on every device may be held once, not per device
+        self.holds_replicas_once = stacked
+        self._storage, self._kernels, self._engine = storage, kernels, engine
+        # the per-device engine, as it is
+        self.run_per_device = engine.run_per_device
+        self.apply = engine.apply
+        self.apply_to_storage = engine.apply_to_storage
+        self.run_op = engine.run_op
+        self.ops_mode = engine.ops_mode
+        self.leave = engine.leave
+        self.axis_index_per_device = engine.axis_index
+
+    def __repr__(self) -> str:
+        return f"<{self.name} backend>"
+
+    # --- communication, recorded here -------------------------------------------------------
+
+    def count(self, op: str, axes: tuple[str, ...], x: torch.Tensor) -> None:
+        """Record ``op`` over mesh ``axes`` on the storage-form value ``x`` (the bytes each
+        device contributes)."""
+        if comm_log.active() and not torch.compiler.is_compiling():
+            devices = x.shape[0] if self.stacked and x.dim() else 1
+            comm_log.record(op, axes, x.numel() // max(devices, 1) * x.element_size())
+
+    def count_bytes(self, op: str, axes: tuple[str, ...], nbytes: int) -> None:
+        """Record ``op`` over mesh ``axes`` moving ``nbytes`` per device."""
+        if comm_log.active() and not torch.compiler.is_compiling():
+            comm_log.record(op, axes, nbytes)
+
+    # --- kernels, on storage ----------------------------------------------------------------
+
+    def all_reduce(self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum"):
+        self.count("all_reduce", axes, x)
+        return self._kernels.all_reduce(x, mesh, axes, op)
+
+    def all_gather(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+        self.count("all_gather", axes, x)
+        return self._kernels.all_gather(x, mesh, axes, dim, tiled)
+
+    def reduce_scatter(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+        self.count("reduce_scatter", axes, x)
+        return self._kernels.reduce_scatter(x, mesh, axes, dim, tiled)
+
+    def all_to_all(self, x, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool):
+        self.count("all_to_all", axes, x)
+        return self._kernels.all_to_all(x, mesh, axes, split, concat, tiled)
+
+    def permute(self, x, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]):
+        self.count("ppermute", axes, x)
+        return self._kernels.permute(x, mesh, axes, perm)
+
+    def reduce_broadcast(self, x, mesh: DeviceMesh, a: int, b: int, op: str):
+        """Partial(op) on mesh axis ``a`` and Shard on axis ``b`` (equal sizes) -> Shard on
+        ``a`` and Replicate on ``b``: a reduce to the diagonal, a broadcast from it."""
+        self.count("reduce+broadcast", (mesh.axis_names[a], mesh.axis_names[b]), x)
+        return self._kernels.reduce_broadcast(x, mesh, a, b, op)
+
+    def axis_index(self, mesh: DeviceMesh, axes: tuple[str, ...], device) -> torch.Tensor:
+        """Each device's index along ``axes`` (major first), in storage form."""
+        return self._kernels.axis_index(mesh, axes, device)
+
+    def slice(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int):
+        """Each device keeps its block of dim ``dim``, by its index along ``axes``: local."""
+        return self._kernels.slice_blocks(x, mesh, axes, dim)
+
+    def partition(self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str):
+        """Each device's part of a value replicated along ``axes``, to be reduced by ``op``."""
+        return self._kernels.partition(x, mesh, axes, op)
+
+    # --- storage ----------------------------------------------------------------------------
+
+    def distribute(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The storage of the global ``tensor`` laid out by ``layout`` (no communication)."""
+        return self._storage.distribute(tensor, layout)
+
+    def gather(self, storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        """The global value of ``storage`` (on the distributed backend, gathered from every
+        rank: not counted as communication, as it moves no data on the simulated backend)."""
+        return self._storage.gather(storage, layout, shape)
+
+    def regather(self, storage: torch.Tensor, source: Layout, target: Layout, shape: tuple[int, ...]):
+        """The storage in ``target`` of a value stored in ``source``, through the global value:
+        the padded blocks reduced over each Partial axis and gathered over the Shard axes (as
+        the distributed backend runs it; counted so on either backend)."""
+        if comm_log.active() and not torch.compiler.is_compiling():
+            mesh = source.mesh
+            nbytes = math.prod(shard_table(source, shape).padded_shape) * storage.element_size()
+            for name, placement in zip(mesh.axis_names, source.placements):
+                if isinstance(placement, Partial):
+                    self.count_bytes("all_reduce", (name,), nbytes)
+            sharding = tuple([n for n, p in zip(mesh.axis_names, source.placements) if isinstance(p, Shard)])
+            if sharding:
+                self.count_bytes("all_gather", sharding, nbytes)
+        return self._storage.distribute(self._storage.gather(storage, source, shape), target)
+
+    def splits_as_views(self, layout: Layout, shape: tuple[int, ...]) -> bool:
+        """Whether storage and global value are views of each other (then their own autograd
+        carries the right gradients)."""
+        return self._storage.splits_as_views(layout, shape)
+
+    def shard(self, storage, layout: Layout, shape: tuple[int, ...], device) -> torch.Tensor:
+        """One device's shard, unpadded."""
+        return self._storage.shard(storage, layout, shape, device)
+
+    def shards(self, storage, layout: Layout, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """The shards this process holds, unpadded, in flat mesh order."""
+        return self._storage.shards(storage, layout, shape)
+
+    def from_local(self, shards, layout: Layout, shape: tuple[int, ...], *, run_check: bool, where: str):
+        """Storage from local shards (checked against the layout; ``run_check``: replicas too)."""
+        return self._storage.from_local(shards, layout, shape, run_check=run_check, where=where)
+
+    def materialize(self, layout: Layout, shape: tuple[int, ...], make_blocks) -> torch.Tensor:
+        """A factory's storage from ``make_blocks(block_shape, shard)``: the padded blocks of
+        every distinct shard (``shard`` None, a grid) or of this rank's distinct shard."""
+        return self._storage.materialize(layout, shape, make_blocks)
+
+    def block_shape(self, storage: torch.Tensor) -> tuple[int, ...]:
+        """The shape of one device's (padded) block in ``storage``."""
+        return tuple(storage.shape[1:] if self.stacked else storage.shape)
+
+
+_BACKENDS = {
+    "simulated": Backend("simulated", simulated_storage, simulated_kernels, simulated_engine, stacked=True),
+    "distributed": Backend(
+        "distributed", distributed_storage, distributed_kernels, distributed_engine, stacked=False
+    ),
+}
+
+
+def backend_of(mesh: DeviceMesh) -> Backend:
+    """The backend of ``mesh``."""
+    return _BACKENDS[mesh.backend]

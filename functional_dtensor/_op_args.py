@@ -1,0 +1,40 @@
+"""The tensors among a torch op's arguments (as a torch-function mode receives them)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tensors_of", "replace_inputs"]
+
+
+def tensors_of(args, kwargs) -> list[torch.Tensor]:
+    found = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [item for item in value if isinstance(item, torch.Tensor)]
+    return found
+
+
+_IN_PLACE = {
+    getattr(torch.Tensor, name)
+    for name in dir(torch.Tensor)
+    if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name, None))
+}
+
+
+def replace_inputs(func, args, kwargs, replace):
+    """``args`` and ``kwargs`` with every tensor (also inside lists and tuples) passed through
+    ``replace``, except the tensor an in-place method writes to."""
+
+    def each(value):
+        if isinstance(value, torch.Tensor):
+            return replace(value)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)([each(v) for v in value])
+        return value
+
+    in_place = func in _IN_PLACE
+    args = tuple([a if in_place and i == 0 else each(a) for i, a in enumerate(args)])
+    return args, ({k: each(v) for k, v in kwargs.items()} if kwargs else kwargs)

@@ -1,0 +1,169 @@
+"""The kernels of the simulated backend: batched tensor ops across the device dim.
+
+Every kernel takes the stacked per-device values ``x`` of shape ``(n, *local)`` (row-major mesh
+order) and returns the stacked results. The mesh axes a collective runs over are brought next
+to each other and flattened, giving the canonical form ``(rest, group, *local)``: ``group``
+indexes a device within its group (major axis first, in the order the axes are given) and
+``rest`` the groups. Each kernel is then one or two tensor ops, whatever the number of devices.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .. import _blocks as blocks
+from .._mesh import DeviceMesh
+
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "permute",
+    "axis_index",
+    "slice_blocks",
+    "partition",
+    "reduce_broadcast",
+]
+
+
+@lru_cache(maxsize=1024)
+def _grouping(mesh: DeviceMesh, axes: tuple[str, ...]):
+    """The mesh axes reordered as (the others, ``axes`` in the order given), and the sizes of
+    the two groups: ``(order, rest, group)``."""
+    positions = [mesh.axis_position(a) for a in axes]
+    others = [p for p in range(mesh.ndim) if p not in positions]
+    order = tuple(others + positions)
+    rest = math.prod([mesh.shape[p] for p in others])
+    return order, rest, math.prod([mesh.shape[p] for p in positions])
+
+
+def _to_groups(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]):
+    order, rest, group = _grouping(mesh, axes)
+    local = x.shape[1:]
+    grid = x.reshape(*mesh.shape, *local)
+    if order != tuple(range(mesh.ndim)):
+        grid = grid.permute(*order, *range(mesh.ndim, grid.dim()))
+    return grid.reshape(rest, group, *local), order
+
+
+def _from_groups(y: torch.Tensor, mesh: DeviceMesh, order: tuple[int, ...]) -> torch.Tensor:
+    local = y.shape[2:]
+    grid = y.reshape(*[mesh.shape[p] for p in order], *local)
+    if order != tuple(range(mesh.ndim)):
+        inverse = sorted(range(mesh.ndim), key=order.__getitem__)
+        grid = grid.permute(*inverse, *range(mesh.ndim, grid.dim()))
+    return grid.reshape(mesh.size, *local)
+
+
+def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
+    groups, order = _to_groups(x, mesh, axes)
+    reduced = blocks.reduce(groups, op, 1, keepdim=True)
+    return _from_groups(reduced.expand(groups.shape).contiguous(), mesh, order)
+
+
+def all_gather(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
+) -> torch.Tensor:
+    """Every device gets the blocks of its group stacked (or, tiled, concatenated) at ``dim``."""
+    groups, order = _to_groups(x, mesh, axes)
+    rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
+    gathered = groups.movedim(1, 1 + dim)  # (rest, *local[:dim], size, *local[dim:])
+    if tiled:
+        gathered = gathered.reshape(rest, *local[:dim], size * local[dim], *local[dim + 1 :])
+    gathered = gathered.unsqueeze(1).expand(rest, size, *gathered.shape[1:])
+    return _from_groups(gathered.contiguous(), mesh, order)
+
+
+def reduce_scatter(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
+) -> torch.Tensor:
+    """Sum over the group; device ``i`` keeps block ``i`` of dim ``dim`` (removed unless tiled)."""
+    groups, order = _to_groups(x, mesh, axes)
+    rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
+    summed = blocks.reduce(groups, "sum", 1)  # (rest, *local)
+    if tiled:
+        summed = summed.reshape(rest, *local[:dim], size, local[dim] // size, *local[dim + 1 :])
+    return _from_groups(summed.movedim(1 + dim, 1).contiguous(), mesh, order)
+
+
+def all_to_all(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool
+) -> torch.Tensor:
+    """Device ``i`` sends block ``j`` of dim ``split`` to device ``j``, which puts the blocks it
+    receives in source order at dim ``concat`` (a new dim unless tiled)."""
+    groups, order = _to_groups(x, mesh, axes)
+    rest, size, local = groups.shape[0], groups.shape[1], list(groups.shape[2:])
+    if tiled:
+        groups = groups.reshape(rest, size, *local[:split], size, local[split] // size, *local[split + 1 :])
+    swapped = groups.movedim(2 + split, 1)  # (rest, dst, src, *local without the block index)
+    received = swapped.movedim(2, 2 + concat)
+    if tiled:
+        shape = list(received.shape)
+        shape[2 + concat : 2 + concat + 2] = [shape[2 + concat] * shape[3 + concat]]
+        received = received.reshape(shape)
+    return _from_groups(received.contiguous(), mesh, order)
+
+
+def permute(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    """Device ``dst`` receives the value of ``src`` for each pair; the others receive zeros."""
+    groups, order = _to_groups(x, mesh, axes)
+    padded = torch.cat([groups, groups.new_zeros(groups[:, :1].shape)], dim=1)
+    index = _sources(perm, groups.shape[1], str(x.device))
+    return _from_groups(padded.index_select(1, index), mesh, order)
+
+
+@lru_cache(maxsize=1024)
+def _sources(perm: tuple[tuple[int, int], ...], size: int, device: str) -> torch.Tensor:
+    """For each device of a group, where its value comes from (``size``: nowhere, zeros)."""
+    source = [size] * size
+    for src, dst in perm:
+        source[dst] = src
+    return torch.tensor(source, device=device)
+
+
+def axis_index(mesh: DeviceMesh, axes: tuple[str, ...], device: str) -> torch.Tensor:
+    """``(n,)``: each device's index within its group over ``axes`` (major axis first)."""
+    return _axis_index(mesh, axes, str(device)).clone()
+
+
+@lru_cache(maxsize=1024)
+def _axis_index(mesh: DeviceMesh, axes: tuple[str, ...], device: str) -> torch.Tensor:
+    index = torch.zeros(mesh.shape, dtype=torch.long, device=device)
+    for axis in axes:
+        position = mesh.axis_position(axis)
+        shape = [1] * mesh.ndim
+        shape[position] = mesh.shape[position]
+        index = index * mesh.shape[position] + torch.arange(mesh.shape[position], device=device).view(shape)
+    return index.reshape(mesh.size)
+
+
+def slice_blocks(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+    """Each device keeps block ``i`` of dim ``dim``, ``i`` its index along ``axes``."""
+    k = mesh.axis_size(axes)
+    d = dim + 1
+    grouped = x.reshape(*x.shape[:d], k, x.shape[d] // k, *x.shape[d + 1 :]).movedim(d, 1)
+    index = _axis_index(mesh, axes, str(x.device))
+    return grouped[torch.arange(x.shape[0], device=x.device), index]
+
+
+def partition(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str) -> torch.Tensor:
+    """Each device's part of a value replicated along ``axes`` (see ``_blocks.partition``)."""
+    first = (_axis_index(mesh, axes, str(x.device)) == 0).view(-1, *[1] * (x.dim() - 1))
+    return blocks.partition(x, op, mesh.axis_size(axes), first)
+
+
+def reduce_broadcast(x: torch.Tensor, mesh: DeviceMesh, a: int, b: int, op: str) -> torch.Tensor:
+    """Partial on axis ``a``, Shard on axis ``b`` (equal sizes) -> Shard on ``a``, Replicate on
+    ``b``: the group along ``a`` of column ``j`` reduces into the device at ``a = j``, which
+    broadcasts along its row (``b``)."""
+    grid = x.reshape(*mesh.shape, *x.shape[1:])
+    reduced = blocks.reduce(grid, "sum", a, keepdim=True)  # column j's total
+    moved = reduced.transpose(a, b).expand(grid.shape)  # device (i, j) gets column i's
+    out = moved.reshape(x.shape)
+    return blocks.average(out, mesh.shape[a]) if op == "avg" else out

@@ -1,0 +1,244 @@
+"""How the simulated backend stores a global value: one stacked tensor for all devices.
+
+A value laid out by ``layout`` on a simulated mesh of ``n`` devices is a tensor of shape
+``(n, *padded_shape)``: row ``k`` is device ``k``'s shard (flat, row-major mesh order), padded
+with zeros at the end of each dim up to the largest shard. True shard sizes come from the
+layout and the global shape (:func:`shard_table`), so one tensor op serves every device and the
+Python work per op does not grow with the mesh.
+
+Evenly split values without Partial axes are views of the global tensor (reshape, permute,
+expand: a replicated value is held once), by view steps cached per layout and shape; the other
+layouts go through the block grid of :mod:`.._blocks`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import _blocks as blocks
+from .._errors import InputTypeError, LayoutError, ShapeError, explain
+from .._layout import Layout
+from .._placements import Replicate, Shard
+from .._sharding import shard_table
+
+__all__ = ["distribute", "gather", "shard", "shards", "from_local", "materialize", "splits_as_views"]
+
+
+def distribute(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Every device's shard of the global ``tensor``, stacked: ``(n, *padded_shape)``."""
+    shape = tuple(tensor.shape)
+    steps = _distribute_steps(layout, shape)
+    if steps is not None:
+        return _run_steps(tensor, steps)
+    table = shard_table(layout, shape)
+    return blocks.split(tensor, layout).reshape(layout.mesh.size, *table.padded_shape)
+
+
+def gather(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The global tensor: Partial axes reduced, replicas read from coordinate 0."""
+    steps = _gather_steps(layout, global_shape)
+    if steps is not None:
+        return _run_steps(storage, steps)
+    table = shard_table(layout, global_shape)
+    mesh = layout.mesh
+    grid = blocks.reduce_partial(storage.reshape(*mesh.shape, *table.padded_shape), layout)
+    for axis, placement in enumerate(layout.placements):
+        if not isinstance(placement, Shard):
+            grid = grid.narrow(axis, 0, 1)
+    return blocks.assemble(grid, layout, global_shape)
+
+
+def splits_as_views(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the storage is a permutation of the global value's elements (every mesh axis a
+    Shard, even blocks): then plain view ops carry the right gradient both ways."""
+    return layout.is_fully_sharded and shard_table(layout, shape).is_even
+
+
+def _run_steps(tensor: torch.Tensor, steps) -> torch.Tensor:
+    for method, args in steps:
+        tensor = method(tensor, *args)
+    return tensor
+
+
+def _steps(shape: tuple[int, ...], ops) -> tuple:
+    """``(Tensor method, args)`` pairs for ``ops``, without those that leave the tensor as is."""
+    steps = []
+    for method, args in ops:
+        if method is torch.Tensor.reshape and tuple(args) == shape:
+            continue
+        if method is torch.Tensor.permute and tuple(args) == tuple(range(len(shape))):
+            continue
+        if method is torch.Tensor.reshape:
+            shape = tuple(args)
+        elif method is torch.Tensor.permute:
+            shape = tuple(shape[i] for i in args)
+        elif method is torch.Tensor.expand:
+            shape = tuple(args)
+        elif method is torch.Tensor.select:
+            shape = shape[: args[0]] + shape[args[0] + 1 :]
+        steps.append((method, tuple(args)))
+    return tuple(steps)
+
+
+@lru_cache(maxsize=1024)
+def _distribute_steps(layout: Layout, shape: tuple[int, ...]):
+    """The view ops from an evenly split global value without Partial axes to its storage
+    (None for the other layouts), computed once per layout and shape."""
+    table = shard_table(layout, shape)
+    if not table.is_even or layout.has_partial:
+        return None
+    n, local = layout.mesh.size, table.padded_shape
+    if layout.is_replicated:
+        return ((torch.Tensor.expand, (n, *shape)),)
+    view, order, grid, expanded = blocks.split_recipe(layout, local)
+    ops = [(torch.Tensor.reshape, view), (torch.Tensor.permute, order)]
+    if not layout.is_fully_sharded:
+        ops += [(torch.Tensor.reshape, grid), (torch.Tensor.expand, expanded)]
+    return _steps(shape, [*ops, (torch.Tensor.reshape, (n, *local))])
+
+
+@lru_cache(maxsize=1024)
+def _gather_steps(layout: Layout, shape: tuple[int, ...]):
+    """The view ops from the storage of an evenly split value without Partial axes to the
+    global value, replicas read from coordinate 0 (None for the other layouts)."""
+    table = shard_table(layout, shape)
+    if not table.is_even or layout.has_partial:
+        return None
+    mesh, local = layout.mesh, table.padded_shape
+    if layout.is_replicated:
+        return ((torch.Tensor.select, (0, 0)),)
+    ops = [(torch.Tensor.reshape, (*mesh.shape, *local))]
+    for axis in reversed(range(mesh.ndim)):
+        if not isinstance(layout.placements[axis], Shard):
+            ops.append((torch.Tensor.select, (axis, 0)))
+    view, order = blocks.merge_recipe(layout, local, len(shape))
+    ops += [(torch.Tensor.permute, order), (torch.Tensor.reshape, shape)]
+    return _steps((mesh.size, *local), ops)
+
+
+def shard(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...], device) -> torch.Tensor:
+    """Device ``device``'s shard, without padding (``device``: a flat index or a coordinate)."""
+    index = _device_index(layout.mesh, device)
+    return blocks.unpad(storage[index], shard_table(layout, global_shape).local_shapes[index])
+
+
+def shards(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Every device's shard, in flat mesh order, without padding."""
+    local_shapes = shard_table(layout, global_shape).local_shapes
+    return tuple([blocks.unpad(storage[k], s) for k, s in enumerate(local_shapes)])
+
+
+def _device_index(mesh, device) -> int:
+    where = "fd.DTensor.to_local(device)"
+    if device is None:
+        raise InputTypeError(
+            explain(
+                where,
+                f"a simulated mesh holds the shards of all {mesh.size} devices",
+                expected=f"a device index in [0, {mesh.size}) or a coordinate of shape {mesh.shape}",
+                got="None",
+                fix="pass device=k, or call local_shards() for every shard",
+            )
+        )
+    if not isinstance(device, (bool, tuple, list)) and hasattr(device, "__index__"):
+        device = device.__index__()
+    if isinstance(device, int) and not isinstance(device, bool) and 0 <= device < mesh.size:
+        return device
+    if (
+        isinstance(device, (tuple, list))
+        and len(device) == mesh.ndim
+        and all([isinstance(c, int) and 0 <= c < s for c, s in zip(device, mesh.shape)])
+    ):
+        return mesh.flat_index(device)
+    raise InputTypeError(
+        explain(
+            where,
+            "no such device on the mesh",
+            expected=f"an index in [0, {mesh.size}) or a coordinate within {mesh.shape}",
+            got=repr(device),
+            fix="count devices in row-major mesh order, or give the mesh coordinate",
+        )
+    )
+
+
+def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, run_check: bool, where: str):
+    """Storage from every device's shard (a list in flat mesh order) or from one shard that
+    every device holds (what each rank passes in an SPMD program)."""
+    mesh = layout.mesh
+    table = shard_table(layout, global_shape)
+    shards = [t.to(mesh.device_type) for t in shards]
+    if len(shards) == 1:
+        _check_shape(shards[0].shape, table.local_shapes[0], 0, where, global_shape)
+        if not table.is_even:
+            raise ShapeError(
+                explain(
+                    f"{where}(local_tensor)",
+                    f"global shape {global_shape} splits unevenly: devices hold shards of different shapes",
+                    expected=f"a list of {mesh.size} shards",
+                    got="one tensor for every device",
+                    fix="pass each device's shard in a list",
+                )
+            )
+        storage = shards[0].unsqueeze(0).expand(mesh.size, *shards[0].shape)
+    elif len(shards) == mesh.size:
+        for k, (t, expected) in enumerate(zip(shards, table.local_shapes)):
+            _check_shape(t.shape, expected, k, where, global_shape)
+        storage = torch.stack([blocks.pad(t, table.padded_shape) for t in shards])
+    else:
+        raise ShapeError(
+            explain(
+                f"{where}(local_tensor)",
+                "one shard per device",
+                expected=f"{mesh.size} tensors for mesh {mesh.shape}",
+                got=f"{len(shards)}",
+                fix="pass a list with every device's shard in row-major mesh order",
+            )
+        )
+    if run_check:
+        _check_replicas_equal(storage, layout, where)
+    return storage
+
+
+def _check_shape(got, expected, device: int, where: str, shape) -> None:
+    if tuple(got) != tuple(expected):
+        raise ShapeError(
+            explain(
+                f"{where}(local_tensor)",
+                f"device {device}'s shard does not fit global shape {tuple(shape)}",
+                expected=f"local shape {tuple(expected)}",
+                got=f"{tuple(got)}",
+                fix="pass shape= with the true global shape, or shards of the right size",
+            )
+        )
+
+
+def _check_replicas_equal(storage: torch.Tensor, layout: Layout, where: str) -> None:
+    grid = storage.reshape(*layout.mesh.shape, *storage.shape[1:])
+    for axis, placement in enumerate(layout.placements):
+        if isinstance(placement, Replicate) and not torch.equal(
+            grid, grid.narrow(axis, 0, 1).expand_as(grid)
+        ):
+            raise LayoutError(
+                explain(
+                    f"{where}(local_tensor)",
+                    f"shards differ along mesh axis {layout.mesh.axis_names[axis]!r}, placed Replicate",
+                    expected="equal shards on every device of a Replicate axis",
+                    got="different values",
+                    fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
+                )
+            )
+
+
+def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> torch.Tensor:
+    """Storage from ``make_blocks(grid_shape, None)``: a grid with one padded block per
+    distinct shard (:func:`.._blocks.distinct_shards`); padding zeroed, Partial axes
+    partitioned as :func:`distribute` does."""
+    mesh = layout.mesh
+    sizes, padded = blocks.distinct_shards(layout, global_shape)
+    grid = make_blocks((*sizes, *padded), None).expand(*mesh.shape, *padded)
+    storage = blocks.partition_partial(grid, layout).reshape(mesh.size, *padded)
+    if not shard_table(layout, global_shape).is_even:
+        storage = storage * blocks.valid_mask(layout, global_shape, str(storage.device))
+    return storage
