@@ -331,6 +331,12 @@ def _moves(placements: Placements, orders: Orders, goal: Layout, mesh, integral:
         swapped = {a: b, b: a}
         after = tuple(tuple(swapped.get(x, x) for x in order) for order in orders)
         yield Swap, (a, b), {}, _set(_set(placements, (a,), pb), (b,), pa), after
+    if not any(isinstance(p, Partial) for p in placements):
+        for dim, order in enumerate(orders):  # the same blocks, the axes of a dim in another order
+            for other in itertools.permutations(order):
+                if other != order:
+                    reordered = tuple(other if d == dim else o for d, o in enumerate(orders))
+                    yield Permute, tuple(axes), {}, placements, reordered
 
 
 def _same_blocks(

@@ -155,7 +155,7 @@ def test_from_local_list_of_shards_round_trips(case, run_check):
     tensor = global_value(shape, dtype)
     x = fd.distribute_tensor(tensor, mesh, layout)
     shards = [s.clone() for s in x.local_shards()]
-    y = fd.from_local(shards, mesh, layout.placements, shape=shape, run_check=run_check)
+    y = fd.from_local(shards, mesh, layout, shape=shape, run_check=run_check)
     assert y.shape == x.shape and y.layout == layout and y.dtype == dtype
     for a, b in zip(y.local_shards(), shards, strict=True):
         assert torch.equal(a, b)
@@ -172,7 +172,7 @@ def test_from_local_single_tensor_is_held_by_every_device(case):
     mesh, layout, shape, dtype = case
     local_shape = case.table.local_shapes[0]
     local = global_value(local_shape, dtype)
-    y = fd.from_local(local, mesh, layout.placements, run_check=True)
+    y = fd.from_local(local, mesh, layout, run_check=True)
     assert y.shape == torch.Size(shape)
     assert all(torch.equal(s, local) for s in y.local_shards())
     # the global value: the block tiled along each sharded dim, then Partial axes reduced
@@ -217,7 +217,7 @@ def test_from_local_single_tensor_rejects_uneven_shapes(data):
     shape[dim] = parts[dim] * data.draw(st.integers(0, 2)) + data.draw(st.integers(1, parts[dim] - 1))
     local = torch.zeros(fds.ShardedCase(mesh, layout, tuple(shape), torch.float32).table.local_shapes[0])
     with pytest.raises(fd.ShapeError, match="Fix:"):
-        fd.from_local(local, mesh, layout.placements, shape=shape)
+        fd.from_local(local, mesh, layout, shape=shape)
 
 
 def test_from_local_example():
@@ -256,7 +256,7 @@ def test_factories_shapes_dtypes_and_values(name, case):
     if name == "full":
         x = fd.full(shape, 2.5, mesh=mesh, placements=layout, dtype=dtype)
     else:
-        x = getattr(fd, name)(shape, mesh=mesh, placements=layout.placements, dtype=dtype)
+        x = getattr(fd, name)(shape, mesh=mesh, placements=layout, dtype=dtype)
     assert isinstance(x, fd.DTensor)
     assert x.shape == torch.Size(shape) and x.dtype == dtype and x.layout == layout
     shards = x.local_shards()

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import functional_dtensor as fd
 from functional_dtensor._plan import Regather, lower_bound, plan, step_bytes
+from functional_dtensor._sharding import shard_table
 from functional_dtensor.testing import strategies as fds
 
 
@@ -25,7 +26,7 @@ def test_same_global_value_and_the_target_blocks(pair):
     case, target = pair
     t = torch.randn(case.global_shape, dtype=torch.float64)
     x = fd.distribute_tensor(t, case.mesh, case.layout)
-    y = fd.redistribute(x, target.placements)
+    y = fd.redistribute(x, target)
     assert y.layout == target and y.shape == x.shape
     torch.testing.assert_close(y.full_tensor(), t)
     if not target.has_partial:
@@ -195,3 +196,32 @@ def test_reported_bytes_are_never_below_the_lower_bound(pair):
     case, target = pair
     report = fd.explain_redistribute(case.layout, target, case.global_shape, show=False)
     assert report.total_bytes >= report.lower_bound
+
+
+@st.composite
+def integer_partial_pairs(draw):
+    """An int64 value from arbitrary local shards on a layout with Partial axes (any ops, mixed),
+    and any target layout."""
+    mesh = draw(fds.meshes(max_devices=8))
+    ndim = draw(st.integers(1, 2))
+    shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
+    source = draw(fds.layouts(mesh, ndim, allow_partial=True))
+    target = draw(fds.layouts(mesh, ndim, allow_partial=True))
+    return mesh, shape, source, target, draw(st.integers(0, 2**16))
+
+
+@given(integer_partial_pairs())
+def test_integer_partial_values_redistribute_to_their_own_full_tensor(case):
+    """Integer averages round down, so the order of reductions matters: every plan reduces as
+    the global value defines it, and keeps the dtype."""
+    mesh, shape, source, target, seed = case
+    shards = []
+    for device, local in enumerate(shard_table(source, shape).local_shapes):
+        # equal along Replicate axes, different along the others
+        key = [c for c, p in zip(mesh.coordinate(device), source.placements) if not p.is_replicate()]
+        generator = torch.Generator().manual_seed(hash((seed, *key)) % 2**31)
+        shards.append(torch.randint(-50, 50, local, generator=generator))
+    x = fd.from_local(shards, mesh, source, shape=shape, run_check=True)
+    y = fd.redistribute(x, target)
+    assert y.dtype == torch.int64
+    assert torch.equal(y.full_tensor(), x.full_tensor())

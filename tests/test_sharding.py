@@ -12,6 +12,7 @@ import torch.distributed.tensor as tdt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
 from torch.distributed.tensor._utils import (
     _compute_local_shape_and_global_offset,
     compute_local_shape_and_global_offset,
@@ -28,7 +29,8 @@ from functional_dtensor.testing import strategies as fds
 
 
 def torch_placements(layout: fd.Layout):
-    """Our placements as torch.distributed.tensor placements."""
+    """Our layout as torch.distributed.tensor placements: a shard order other than the mesh's
+    becomes torch's ``_StridedShard`` placements, by torch's own conversion."""
     out = []
     for p in layout.placements:
         if isinstance(p, fd.Shard):
@@ -37,7 +39,20 @@ def torch_placements(layout: fd.Layout):
             out.append(tdt.Replicate())
         else:
             out.append(tdt.Partial(p.op))
+    if layout.shard_order:
+        order = tuple(ShardOrderEntry(dim, axes) for dim, axes in layout.shard_order)
+        out = list(DTensorSpec._convert_shard_order_to_StridedShard(order, tuple(out), _Sizes(layout.mesh)))
     return out
+
+
+class _Sizes:
+    """What torch's shard-order conversion reads of a mesh: the size of each axis."""
+
+    def __init__(self, mesh: fd.DeviceMesh) -> None:
+        self.shape = mesh.shape
+
+    def size(self, axis: int) -> int:
+        return self.shape[axis]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -293,9 +293,8 @@ def _placements(draw, mesh, ndim, allow_partial, ops, negative_dims) -> tuple[Pl
 def specs(mesh: DeviceMesh | SearchStrategy[DeviceMesh], ndim: int) -> SearchStrategy[P]:
     """Partition specs valid for an ``ndim``-d tensor on ``mesh``.
 
-    Each mesh axis splits at most one dim; a dim split by several axes lists them in mesh
-    order (major first), as :class:`~functional_dtensor.Layout` requires. Specs may be shorter
-    than ``ndim`` (trailing dims unsplit).
+    Each mesh axis splits at most one dim; a dim split by several axes lists them in any order
+    (major first, as in JAX). Specs may be shorter than ``ndim`` (trailing dims unsplit).
 
     >>> import functional_dtensor as fd
     >>> from hypothesis import given, settings
@@ -320,6 +319,7 @@ def _specs(draw, mesh, ndim) -> P:
         dim = draw(st.integers(-1, ndim - 1))  # -1: the axis splits no dim
         if dim >= 0:
             entries[dim] += (name,)
+    entries = [draw(st.permutations(e)) if len(e) > 1 else e for e in entries]  # mesh order first
     used = max((d + 1 for d, e in enumerate(entries) if e), default=0)
     length = draw(st.integers(used, ndim))
     return P(*entries[:length])
@@ -332,8 +332,8 @@ def layouts(
     allow_partial: bool = False,
     partial_ops: Sequence[str] = PARTIAL_OPS,
 ) -> SearchStrategy[Layout]:
-    """Layouts on ``mesh`` for an ``ndim``-d tensor (non-negative Shard dims); with
-    ``allow_partial``, some axes may be ``Partial``.
+    """Layouts on ``mesh`` for an ``ndim``-d tensor (non-negative Shard dims; the axes that
+    split one dim in any order); with ``allow_partial``, some axes may be ``Partial``.
 
     >>> import functional_dtensor as fd
     >>> from hypothesis import given, settings
@@ -353,7 +353,13 @@ def layouts(
 @st.composite
 def _layouts(draw, mesh, ndim, allow_partial, ops) -> Layout:
     mesh = _draw_mesh(draw, mesh)
-    return Layout(mesh, draw(_placements(mesh, ndim, allow_partial, ops, False)))
+    placements = draw(_placements(mesh, ndim, allow_partial, ops, False))
+    order = []
+    for dim in range(ndim):
+        axes = tuple(a for a, p in enumerate(placements) if p.is_shard(dim))
+        if len(axes) > 1:
+            order.append((dim, tuple(draw(st.permutations(axes)))))  # shrinks to mesh order
+    return Layout(mesh, placements, tuple(order))
 
 
 # ---------------------------------------------------------------------------------------------
