@@ -1,0 +1,194 @@
+"""The package's layering, checked mechanically (see docs/architecture.md).
+
+Read from the source with ``ast``, without importing anything: every module sits on a floor;
+a module imports only from its own floor or lower ones, and the import graph has no cycle;
+functorch's internals are imported in one module; only the backend interface asks which
+backend a mesh has; no module reads another module's private names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "functional_dtensor"
+
+#: floor -> the modules on it, bottom to top (dotted names under the package; a trailing ".*"
+#: stands for every module of a subpackage)
+FLOORS = {
+    "records": ["_public", "_errors", "_placements", "_spec", "_mesh", "_layout"],
+    "math": ["_sharding", "_blocks", "_plan"],
+    "backends": [
+        "_simulated.*",
+        "_distributed.*",
+        "_varying",
+        "_op_args",
+        "_autograd",
+        "_comm_log",
+        "_backend",
+    ],
+    "collectives": ["_context", "_collectives"],
+    "values": ["_dtensor", "_factories"],
+    "transformations": ["_tracking", "_shard_map", "_redistribute"],
+    "tools": ["_explain", "_comm_debug", "testing.*", "_demo", "__init__", "__main__"],
+}
+FUNCTORCH_HOME = "_simulated.functorch"
+BACKEND_HOME = "_backend"
+
+
+def modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+        found[name] = ast.parse(path.read_text("utf-8"), str(path))
+    return found
+
+
+def floor_of(module: str) -> int:
+    for level, (_, members) in enumerate(FLOORS.items()):
+        for member in members:
+            if module == member or (member.endswith(".*") and module.split(".")[0] == member[:-2]):
+                return level
+    raise AssertionError(f"{module} is on no floor: add it to FLOORS and to docs/architecture.md")
+
+
+def internal_imports(module: str, tree: ast.Module) -> list[tuple[str, list[str], int]]:
+    """``(imported module, imported names, line)`` for every import of the package's own
+    modules, at any depth (lazy imports in functions count too)."""
+    package = module.split(".") if module in SUBPACKAGES else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            elif (node.module or "").startswith("functional_dtensor"):
+                target = node.module.removeprefix("functional_dtensor").lstrip(".")
+            else:
+                continue
+            names = []
+            for alias in node.names:  # "from . import x" imports the module x
+                submodule = f"{target}.{alias.name}".lstrip(".")
+                if submodule in MODULES:
+                    out.append((submodule, [], node.lineno))
+                else:
+                    names.append(alias.name)
+            if names:
+                out.append((target or "__init__", names, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("functional_dtensor."):
+                    out.append((alias.name.removeprefix("functional_dtensor."), [], node.lineno))
+                elif alias.name == "functional_dtensor":
+                    out.append(("__init__", [], node.lineno))
+    return out
+
+
+MODULES = modules()
+SUBPACKAGES = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+
+
+def test_every_module_is_on_a_floor():
+    for module in MODULES:
+        floor_of(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_or_across_never_up(module):
+    here = floor_of(module)
+    for target, _, line in internal_imports(module, MODULES[module]):
+        if target == module:
+            continue
+        assert floor_of(target) <= here, (
+            f"{module}:{line} imports {target}, a floor up "
+            f"({list(FLOORS)[floor_of(target)]} above {list(FLOORS)[here]}): invert the dependency "
+            "(a higher module may install methods on a lower class)"
+        )
+
+
+def test_the_import_graph_is_acyclic():
+    graph = {m: {t for t, _, _ in internal_imports(m, tree) if t != m} for m, tree in MODULES.items()}
+    visiting, done = set(), set()
+
+    def visit(node, path):
+        if node in done:
+            return
+        assert node not in visiting, f"import cycle: {' -> '.join([*path, node])}"
+        visiting.add(node)
+        for target in sorted(graph.get(node, ())):
+            visit(target, [*path, node])
+        visiting.discard(node)
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_functorch_internals_are_imported_in_one_module():
+    for module, tree in MODULES.items():
+        if module == FUNCTORCH_HOME:
+            continue
+        source = ast.unparse(tree)
+        for internal in ("_functorch", "_are_functorch_transforms_active"):
+            assert internal not in source, f"{module} uses functorch internals ({internal}): go through {FUNCTORCH_HOME}"
+
+
+def _asks_the_backend(node: ast.AST) -> bool:
+    """A comparison that tells the backends apart: with a backend's name or a mesh's
+    ``backend`` field, or whether a frame has a device level at all (only a simulated mesh's
+    vmap carries the devices)."""
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = (node.left, *node.comparators)
+    for side in sides:
+        if isinstance(side, ast.Constant) and side.value in ("simulated", "distributed"):
+            return True
+        if isinstance(side, ast.Attribute) and side.attr == "backend":
+            return True
+    levels = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "device_level"]
+    return bool(levels) and any(isinstance(s, ast.Constant) and s.value is None for s in sides)
+
+
+def test_only_the_backend_interface_asks_which_backend_a_mesh_has():
+    for module, tree in MODULES.items():
+        if module in (BACKEND_HOME, "_mesh"):  # the mesh validates its own field
+            continue
+        asking = [n.lineno for n in ast.walk(tree) if _asks_the_backend(n)]
+        assert not asking, f"{module} asks which backend it runs on (lines {asking}): ask {BACKEND_HOME}"
+
+
+def _private_definitions(tree: ast.Module) -> set[str]:
+    """The private names a module defines: functions, classes, assigned names and attributes,
+    dataclass fields and slots."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(getattr(node, "ctx", None), ast.Store):
+            names.add(node.id if isinstance(node, ast.Name) else node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            names.add(node.value)  # __slots__ entries, object.__setattr__(self, "_x", ...)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_reads_another_modules_private_names():
+    own = {m: _private_definitions(t) for m, t in MODULES.items()}
+    everywhere = set().union(*own.values())
+    for module, tree in MODULES.items():
+        for target, names, line in internal_imports(module, tree):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            assert not private, f"{module}:{line} imports private names {private} from {target}"
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr in everywhere
+                and node.attr not in own[module]
+            ):
+                raise AssertionError(f"{module}:{node.lineno} reads another module's private name .{node.attr}")
