@@ -55,6 +55,7 @@ class Layout:
     # derived once, when built: layouts key many caches and their split orders are read per op
     _hash: int = field(init=False, repr=False, compare=False, default=0)
     _orders: dict = field(init=False, repr=False, compare=False, default=None)
+    _kinds: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -78,6 +79,7 @@ class Layout:
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "shard_order", shard_order)
         object.__setattr__(self, "_orders", orders)
+        object.__setattr__(self, "_kinds", frozenset(type(p) for p in placements))
         object.__setattr__(self, "_hash", hash((self.mesh, placements, shard_order)))
 
     def __hash__(self) -> int:
@@ -161,16 +163,16 @@ class Layout:
 
     @property
     def is_replicated(self) -> bool:
-        return all([isinstance(p, Replicate) for p in self.placements])
+        return self._kinds == _REPLICATE
 
     @property
     def is_fully_sharded(self) -> bool:
         """Whether every mesh axis splits the value (no replicas, no partial values)."""
-        return all([isinstance(p, Shard) for p in self.placements])
+        return self._kinds == _SHARD
 
     @property
     def has_partial(self) -> bool:
-        return any([isinstance(p, Partial) for p in self.placements])
+        return Partial in self._kinds
 
     def normalized(self, ndim: int, *, where: str = "fd.Layout") -> Layout:
         """This layout with negative Shard dims counted from the end of an ``ndim``-d tensor."""
@@ -206,6 +208,9 @@ class Layout:
                 text += f"[{self._orders[placement.dim].index(axis)}]"
             out.append(text)
         return "".join(out)
+
+
+_REPLICATE, _SHARD = frozenset([Replicate]), frozenset([Shard])
 
 
 def _checked_order(mesh: DeviceMesh, placements, shard_order, orders: dict) -> tuple:

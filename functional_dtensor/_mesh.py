@@ -51,6 +51,7 @@ class DeviceMesh:
     backend: Backend = "simulated"
     device_ids: tuple[int, ...] = field(default=())
     _hash: int = field(init=False, repr=False, compare=False, default=0)  # meshes key many caches
+    _size: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         shape = _as_tuple(self.shape)
@@ -136,6 +137,7 @@ class DeviceMesh:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "device_ids", ids)
+        object.__setattr__(self, "_size", size)
         object.__setattr__(self, "_hash", hash((shape, names, self.device_type, self.backend, ids)))
 
     def __hash__(self) -> int:
@@ -166,7 +168,7 @@ class DeviceMesh:
     @property
     def size(self) -> int:
         """The number of devices."""
-        return math.prod(self.shape)
+        return self._size
 
     def axis_size(self, axes: str | Sequence[str]) -> int:
         """The number of devices along an axis, or along several axes together."""

@@ -11,6 +11,9 @@ With ``check_rep`` (the default) local values carry the mesh axes they vary over
 error, and transposes need no defensive all-reduce. Without it, every local value is taken to
 vary over every axis: inputs' gradients are summed over their replicas, and outputs' cotangents
 are split evenly among theirs.
+
+What the specs say of one structure of arguments (or outputs) is worked out once and kept in a
+plan, so that a call does little more than flatten its arguments and run the function.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeAlias, overload
+from typing import Any, TypeAlias, overload
 
 import optree
 import torch
@@ -92,14 +95,39 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, check_rep=True):
         return functools.partial(
             shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_rep
         )
-
-    plans: tuple[dict, dict] = ({}, {})  # per argument / output structure: what the specs say
+    mapping = _Mapping(f, mesh, in_specs, out_specs, check_rep)
 
     @functools.wraps(f)
     def mapped(*args):
-        return _run(f, args, mesh, in_specs, out_specs, check_rep, plans)
+        return _run(mapping, args)
 
     return mapped
+
+
+class _Mapping:
+    """One ``shard_map``: the function, its mesh and backend, its specs, and the plans and
+    frames worked out so far (per argument and output structure; per functorch level)."""
+
+    __slots__ = ("f", "mesh", "backend", "in_specs", "out_specs", "check_rep", "entries", "exits", "frames")
+
+    def __init__(self, f, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool) -> None:
+        self.f, self.mesh, self.backend = f, mesh, backend_of(mesh)
+        self.in_specs, self.out_specs, self.check_rep = in_specs, out_specs, check_rep
+        self.entries: dict = {}
+        self.exits: dict = {}
+        self.frames: dict = {}
+
+    def frame(self, level, device_level, compiling: bool) -> tuple[Frame, object]:
+        """The frame of a call at these levels, and the torch-function mode it runs under
+        (made afresh while compiling)."""
+        found = None if compiling else self.frames.get((level, device_level))
+        if found is None:
+            frame = Frame(self.mesh, self.check_rep, self.backend, level, device_level)
+            mode = ReplicationTracker(frame) if self.check_rep else self.backend.ops_mode(frame)
+            found = (frame, mode)
+            if not compiling:
+                self.frames[(level, device_level)] = found
+        return found
 
 
 def _broadcast(specs, tree, name: str):
@@ -119,27 +147,157 @@ def _broadcast(specs, tree, name: str):
         ) from None
 
 
-class _EntryPlan(NamedTuple):
-    """What ``in_specs`` says of each leaf of one argument structure, worked out once."""
+class _Plan:
+    """What the specs say of each leaf of one argument (or output) structure: the spec, the
+    axes it names, and the paths for errors; the layouts it gives values of each shape."""
 
-    specs: tuple[P | None, ...]
-    axes: tuple[frozenset[str] | None, ...]  # the mesh axes each argument varies over
-    wheres: tuple[str, ...]  # the spec's path, for errors
-    arguments: tuple[str, ...]  # the argument's path, for errors
+    __slots__ = ("specs", "axes", "wheres", "paths", "layouts")
+
+    def __init__(self, specs, wheres, paths) -> None:
+        self.specs = tuple(specs)
+        self.axes = tuple([None if s is None else frozenset(s.axis_names) for s in self.specs])
+        self.wheres, self.paths = tuple(wheres), tuple(paths)
+        self.layouts: list[dict] = [{} for _ in self.specs]
 
     @classmethod
-    def of(cls, in_specs, args, treedef) -> _EntryPlan:
+    def of_arguments(cls, in_specs, args, treedef) -> _Plan:
         specs = treedef.flatten_up_to(_broadcast(in_specs, args, "in_specs"))
         paths = [accessor.codify("") for accessor in treedef.accessors()]
-        return cls(
-            tuple(specs),
-            tuple([None if spec is None else frozenset(spec.axis_names) for spec in specs]),
-            tuple([f"fd.shard_map(in_specs{path})" for path in paths]),
-            tuple([f"args{path}" for path in paths]),
+        return cls(specs, [f"fd.shard_map(in_specs{p})" for p in paths], [f"args{p}" for p in paths])
+
+    @classmethod
+    def of_outputs(cls, out_specs, outputs, tree) -> _Plan:
+        specs = tree.flatten_up_to(_broadcast(out_specs, outputs, "out_specs"))
+        wheres = [f"fd.shard_map({accessor.codify('out_specs')})" for accessor in tree.accessors()]
+        return cls(specs, wheres, wheres)
+
+
+def _planned(plans: dict, key, make, compiling: bool) -> _Plan:
+    """``plans[key]``, made on first use (made afresh while compiling: tracing happens once,
+    and Dynamo cannot hash a treedef)."""
+    if compiling:
+        return make()
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = make()
+    return plan
+
+
+def _run(m: _Mapping, args):
+    if current_frame() is not None:
+        raise FunctionalDTensorError(
+            explain(
+                "fd.shard_map",
+                "nested shard_map is not supported yet",
+                expected="a shard_map called outside any other",
+                got="a call inside the per-device function of another shard_map",
+                fix="map over all the axes you need in the outer shard_map",
+            )
         )
+    compiling = torch.compiler.is_compiling()
+    leaves, treedef = optree.tree_flatten(args, none_is_leaf=True, namespace=NAMESPACE)
+    plan = None if compiling else m.entries.get(treedef)
+    if plan is None:
+        plan = _planned(m.entries, treedef, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
+    inputs, in_dims = [], []
+    for i, value in enumerate(leaves):
+        if plan.specs[i] is None:
+            inputs.append(value)
+            in_dims.append(None)
+        else:
+            value, batched = _enter(m, plan, i, value)
+            inputs.append(value)
+            in_dims.append(0 if batched else None)
+    exits: list = []
+
+    def per_device(level, device_level, *local_leaves):
+        frame, mode = m.frame(level, device_level, compiling)
+        with bound_axes(frame):
+            if m.check_rep:
+                local_leaves = [
+                    v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes)
+                    for v, axes in zip(local_leaves, plan.axes)
+                ]
+            local_args = treedef.unflatten(local_leaves)
+            if mode is None:
+                outputs = m.f(*local_args)
+            else:
+                with mode:
+                    outputs = m.f(*local_args)
+            flat, layouts, tree = _leave(m, outputs, compiling)
+            flat = [
+                v if lay is None else m.backend.leave(v, lay.is_replicated, frame)
+                for v, lay in zip(flat, layouts)
+            ]
+        exits[:] = [layouts, tree]  # vmap returns tensors only: the layouts come back this way
+        return tuple(flat)
+
+    results, batched = m.backend.run_per_device(per_device, m.mesh.size, in_dims, inputs)
+    layouts, tree = exits
+    values = []
+    for storage, is_batched, layout in zip(results, batched, layouts):
+        if layout is None:
+            values.append(storage)
+        elif not is_batched:  # the same on every device, held once
+            values.append(DTensor(distribute_storage(storage, layout), layout, storage.shape))
+        else:
+            shape = _global_shape(layout, m.backend.block_shape(storage))
+            if not m.check_rep:
+                replicas = math.prod(
+                    [s for s, p in zip(m.mesh.shape, layout.placements) if not isinstance(p, Shard)]
+                )
+                if replicas > 1:
+                    storage = autograd.apply(_SplitCotangent, storage, replicas)
+            values.append(DTensor(storage, layout, shape))
+    return tree.unflatten(values)
 
 
 @functools.lru_cache(maxsize=1024)
+def _global_shape(layout: Layout, block_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return global_shape_of_even_local(layout, block_shape)
+
+
+def _enter(m: _Mapping, plan: _Plan, i: int, value):
+    """Argument ``i`` as the per-device function's input, and whether it is per-device: its
+    storage (stacked shards, or this rank's shard). Where the backend holds values the same on
+    every device once, a replicated argument enters as one value."""
+    mesh, backend, check_rep = m.mesh, m.backend, m.check_rep
+    if isinstance(value, DTensor):
+        key = (value.layout, value.shape)
+        layout = plan.layouts[i].get(key)
+        if layout is None:
+            layout = plan.layouts[i][key] = _checked_layout(mesh, plan, i, value.layout, value.shape)
+        storage = storage_of(value)
+        if layout.is_replicated and backend.holds_replicas_once:
+            return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
+    elif isinstance(value, torch.Tensor):
+        key = value.shape
+        layout = plan.layouts[i].get(key)
+        if layout is None:
+            layout = plan.layouts[i][key] = _checked_layout(mesh, plan, i, None, value.shape)
+        if value.device.type != mesh.device_type:
+            value = value.to(mesh.device_type)
+        if layout.is_replicated:  # every device's block is the whole value
+            if backend.holds_replicas_once:
+                return _replicated(value, mesh, check_rep), False
+            storage = value
+        else:
+            storage = distribute_storage(value, layout)
+    else:
+        raise InputTypeError(
+            explain(
+                f"fd.shard_map({plan.paths[i]})",
+                f"an argument with spec {plan.specs[i]} must be a tensor",
+                expected="a torch.Tensor or an fd.DTensor",
+                got=type(value).__name__,
+                fix="give it the spec None to pass it through untouched",
+            )
+        )
+    if not check_rep and not layout.is_fully_sharded:
+        storage = autograd.apply(_SumOverReplicas, storage, layout)
+    return storage, True
+
+
 def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
     if len(spec) > value_ndim:
         raise SpecError(
@@ -154,114 +312,10 @@ def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
     return Layout.from_spec(mesh, spec, where=where)
 
 
-def _run(f, args, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool, plans: tuple[dict, dict]):
-    if current_frame() is not None:
-        raise FunctionalDTensorError(
-            explain(
-                "fd.shard_map",
-                "nested shard_map is not supported yet",
-                expected="a shard_map called outside any other",
-                got="a call inside the per-device function of another shard_map",
-                fix="map over all the axes you need in the outer shard_map",
-            )
-        )
-    backend = backend_of(mesh)
-    leaves, treedef = optree.tree_flatten(args, none_is_leaf=True, namespace=NAMESPACE)
-    plan = _cached(plans[0], treedef, lambda: _EntryPlan.of(in_specs, args, treedef))
-    inputs, in_dims = [], []
-    for value, spec, where, argument in zip(leaves, plan.specs, plan.wheres, plan.arguments):
-        if spec is None:
-            inputs.append(value)
-            in_dims.append(None)
-            continue
-        value, batched = _enter(value, spec, mesh, backend, check_rep, where, argument)
-        inputs.append(value)
-        in_dims.append(0 if batched else None)
-    in_axes = plan.axes
-    out_layouts: list = []
-    out_treedef: list = []
-
-    def per_device(level, device_level, *local_leaves):
-        frame = Frame(mesh, check_rep, backend, level, device_level)
-        with bound_axes(frame):
-            if check_rep:
-                local_leaves = [
-                    v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes)
-                    for v, axes in zip(local_leaves, in_axes)
-                ]
-            local_args = treedef.unflatten(local_leaves)
-            mode = ReplicationTracker(frame) if check_rep else backend.ops_mode(frame)
-            if mode is None:
-                outputs = f(*local_args)
-            else:
-                with mode:
-                    outputs = f(*local_args)
-            flat, layouts, tree = _leave(outputs, out_specs, mesh, check_rep, plans[1])
-            flat = [
-                v if layout is None else backend.leave(v, layout.is_replicated, frame)
-                for v, layout in zip(flat, layouts)
-            ]
-        out_layouts[:] = layouts  # vmap returns tensors only: the layouts come back this way
-        out_treedef[:] = [tree]
-        return tuple(flat)
-
-    results, batched = backend.run_per_device(per_device, mesh.size, tuple(in_dims), inputs)
-    values = []
-    for storage, is_batched, layout in zip(results, batched, out_layouts):
-        if layout is None:
-            values.append(storage)
-        elif not is_batched:  # the same on every device, held once
-            values.append(DTensor(distribute_storage(storage, layout), layout, storage.shape))
-        else:
-            shape = global_shape_of_even_local(layout, backend.block_shape(storage))
-            if not check_rep:
-                replicas = math.prod(
-                    [s for s, p in zip(mesh.shape, layout.placements) if not isinstance(p, Shard)]
-                )
-                if replicas > 1:
-                    storage = autograd.apply(_SplitCotangent, storage, replicas)
-            values.append(DTensor(storage, layout, shape))
-    return out_treedef[0].unflatten(values)
-
-
-def _enter(value, spec: P, mesh: DeviceMesh, backend, check_rep: bool, where: str, argument: str):
-    """One argument as the per-device function's input, and whether it is per-device: its
-    storage (stacked shards, or this rank's shard). Where the backend holds values the same on
-    every device once, a replicated argument enters as one value."""
-    if isinstance(value, DTensor):
-        layout = _checked_layout(mesh, spec, value.layout, value.shape, where, argument)
-        storage = storage_of(value)
-        if layout.is_replicated and backend.holds_replicas_once:
-            return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
-    elif isinstance(value, torch.Tensor):
-        layout = _checked_layout(mesh, spec, None, value.shape, where, argument)
-        if value.device.type != mesh.device_type:
-            value = value.to(mesh.device_type)
-        if layout.is_replicated:  # every device's block is the whole value
-            if backend.holds_replicas_once:
-                return _replicated(value, mesh, check_rep), False
-            storage = value
-        else:
-            storage = distribute_storage(value, layout)
-    else:
-        raise InputTypeError(
-            explain(
-                f"fd.shard_map({argument})",
-                f"an argument with spec {spec} must be a tensor",
-                expected="a torch.Tensor or an fd.DTensor",
-                got=type(value).__name__,
-                fix="give it the spec None to pass it through untouched",
-            )
-        )
-    if not check_rep and not layout.is_fully_sharded:
-        storage = autograd.apply(_SumOverReplicas, storage, layout)
-    return storage, True
-
-
-@functools.lru_cache(maxsize=1024)
-def _checked_layout(mesh: DeviceMesh, spec: P, value_layout, shape, where: str, argument: str) -> Layout:
-    """The layout ``spec`` gives an argument of ``shape`` (``value_layout``: a DTensor's own,
-    which must match it; None for a tensor), checked once per distinct argument."""
+def _checked_layout(mesh: DeviceMesh, plan: _Plan, i: int, value_layout, shape) -> Layout:
+    """The layout spec ``i`` gives an argument of ``shape`` (``value_layout``: a DTensor's own,
+    which must match it; None for a tensor)."""
+    spec, where, argument = plan.specs[i], plan.wheres[i], plan.paths[i]
     layout = _layout(mesh, spec, len(shape), where)
     if value_layout is not None:
         if value_layout.mesh != mesh:
@@ -297,30 +351,16 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
     return on_storage(value, mesh, VaryHeldOnce, mesh.axis_names)
 
 
-def _exit_plan(out_specs, outputs, tree):
-    """What ``out_specs`` says of each leaf of one output structure: the specs and paths."""
-    specs = tree.flatten_up_to(_broadcast(out_specs, outputs, "out_specs"))
-    wheres = [f"fd.shard_map({accessor.codify('out_specs')})" for accessor in tree.accessors()]
-    axes = [None if spec is None else frozenset(spec.axis_names) for spec in specs]
-    return specs, wheres, axes
-
-
-def _cached(plans: dict, treedef, make):
-    """``plans[treedef]``, made on first use (made afresh while compiling: tracing happens once,
-    and Dynamo cannot hash a treedef)."""
-    if torch.compiler.is_compiling():
-        return make()
-    plan = plans.get(treedef)
-    if plan is None:
-        plan = plans[treedef] = make()
-    return plan
-
-
-def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool, plans: dict):
+def _leave(m: _Mapping, outputs, compiling: bool):
+    """The outputs of the per-device function, checked against ``out_specs``: flat, with
+    their layouts (None where passed through) and their structure."""
     leaves, tree = optree.tree_flatten(outputs, none_is_leaf=True, namespace=NAMESPACE)
-    plan = _cached(plans, tree, lambda: _exit_plan(out_specs, outputs, tree))
+    plan = None if compiling else m.exits.get(tree)
+    if plan is None:
+        plan = _planned(m.exits, tree, lambda: _Plan.of_outputs(m.out_specs, outputs, tree), compiling)
     flat, layouts = [], []
-    for value, spec, where, allowed in zip(leaves, *plan):
+    for i, value in enumerate(leaves):
+        spec, where = plan.specs[i], plan.wheres[i]
         if spec is None or value is None:
             if value is not None and spec is None:
                 raise SpecError(
@@ -345,30 +385,38 @@ def _leave(outputs, out_specs, mesh: DeviceMesh, check_rep: bool, plans: dict):
                     fix="return tensors; compute other values outside shard_map",
                 )
             )
-        layout = _layout(mesh, spec, value.dim(), where)
-        if check_rep:
-            varying = axes_varying(value)
-            extra = varying - allowed
-            if extra:
-                names = tuple(sorted(extra, key=mesh.axis_position))
-                shown = repr(names[0]) if len(names) == 1 else repr(names)
-                raise SpecError(
-                    explain(
-                        where,
-                        f"{spec} claims the output is replicated over {names}, "
-                        "but the function does not guarantee it",
-                        expected=f"an output that does not vary over {names}",
-                        got=f"a value that may vary over {tuple(sorted(axes_varying(value)))}",
-                        fix=f"reduce it (e.g. fd.psum(y, {shown})), name those axes in the spec, "
-                        "or pass check_rep=False",
-                    )
-                )
-            missing = () if allowed <= varying else tuple(a for a in spec.axis_names if a not in varying)
-            if missing:
-                value = pvary(value, missing)
+        layout = plan.layouts[i].get(value.dim())
+        if layout is None:
+            layout = plan.layouts[i][value.dim()] = _layout(m.mesh, spec, value.dim(), where)
+        if m.check_rep:
+            value = _checked_replication(m.mesh, value, spec, plan.axes[i], where)
         flat.append(value)
         layouts.append(layout)
     return flat, layouts, tree
+
+
+def _checked_replication(mesh: DeviceMesh, value: torch.Tensor, spec: P, allowed, where: str) -> torch.Tensor:
+    """``value``, refused if it may vary over axes its spec says it is replicated over, and
+    made to vary over the axes the spec names that it does not vary over yet."""
+    varying = axes_varying(value)
+    extra = varying - allowed
+    if extra:
+        names = tuple(sorted(extra, key=mesh.axis_position))
+        shown = repr(names[0]) if len(names) == 1 else repr(names)
+        raise SpecError(
+            explain(
+                where,
+                f"{spec} claims the output is replicated over {names}, "
+                "but the function does not guarantee it",
+                expected=f"an output that does not vary over {names}",
+                got=f"a value that may vary over {tuple(sorted(varying))}",
+                fix=f"reduce it (e.g. fd.psum(y, {shown})), name those axes in the spec, "
+                "or pass check_rep=False",
+            )
+        )
+    if allowed <= varying:
+        return value
+    return pvary(value, tuple(a for a in spec.axis_names if a not in varying))
 
 
 class _SumOverReplicas(torch.autograd.Function):

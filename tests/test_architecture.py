@@ -133,7 +133,9 @@ def test_functorch_internals_are_imported_in_one_module():
             continue
         source = ast.unparse(tree)
         for internal in ("_functorch", "_are_functorch_transforms_active"):
-            assert internal not in source, f"{module} uses functorch internals ({internal}): go through {FUNCTORCH_HOME}"
+            assert internal not in source, (
+                f"{module} uses functorch internals ({internal}): go through {FUNCTORCH_HOME}"
+            )
 
 
 def _asks_the_backend(node: ast.AST) -> bool:
@@ -167,7 +169,9 @@ def _private_definitions(tree: ast.Module) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(getattr(node, "ctx", None), ast.Store):
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(
+            getattr(node, "ctx", None), ast.Store
+        ):
             names.add(node.id if isinstance(node, ast.Name) else node.attr)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
@@ -191,4 +195,6 @@ def test_no_module_reads_another_modules_private_names():
                 and node.attr in everywhere
                 and node.attr not in own[module]
             ):
-                raise AssertionError(f"{module}:{node.lineno} reads another module's private name .{node.attr}")
+                raise AssertionError(
+                    f"{module}:{node.lineno} reads another module's private name .{node.attr}"
+                )

@@ -8,8 +8,6 @@ functorch's number for one transform in progress (the device vmap, or a user's o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch._C._functorch import (
     _add_batch_dim,
@@ -96,19 +94,24 @@ def over_devices(per_device, size: int, in_dims, inputs):
             lambda *a: per_device(maybe_current_level(), *a), in_dims=in_dims, randomness="different"
         )(*inputs)
         return outputs, [True] * len(outputs)
-    _load_decompositions()
+    if not _decompositions_loaded:
+        _load_decompositions()
     level = _vmap_increment_nesting(size, "different")
     try:
-        batched_inputs = [v if d is None else _add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
-        outputs = per_device(level, *batched_inputs)
+        outputs = per_device(
+            level, *[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
+        )
         batched = [v is not None and maybe_get_level(v) == level for v in outputs]
-        outputs = [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)]
-        return outputs, batched
+        return [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)], batched
     finally:
         _vmap_decrement_nesting()
 
 
-@functools.cache
+_decompositions_loaded = False
+
+
 def _load_decompositions() -> None:
     """The Python decompositions vmap needs for some ops, registered once (as vmap does)."""
+    global _decompositions_loaded
     lazy_load_decompositions()
+    _decompositions_loaded = True
