@@ -30,6 +30,7 @@ from . import _comm_log as comm_log
 from ._distributed import engine as distributed_engine
 from ._distributed import kernels as distributed_kernels
 from ._distributed import storage as distributed_storage
+from ._errors import LayoutError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placements import Partial, Shard
@@ -159,8 +160,21 @@ class Backend:
         return self._storage.shards(storage, layout, shape)
 
     def from_local(self, shards, layout: Layout, shape: tuple[int, ...], *, run_check: bool, where: str):
-        """Storage from local shards (checked against the layout; ``run_check``: replicas too)."""
-        return self._storage.from_local(shards, layout, shape, run_check=run_check, where=where)
+        """Storage from local shards, checked against the layout (``run_check``: and equal along
+        the Replicate axes)."""
+        storage = self._storage.from_local(shards, layout, shape, where=where)
+        differing = self._storage.differing_replicas(storage, layout) if run_check else []
+        if differing:
+            raise LayoutError(
+                explain(
+                    f"{where}(local_tensor)",
+                    f"shards differ along mesh axis {differing[0]!r}, placed Replicate",
+                    expected="equal shards on every device of a Replicate axis",
+                    got="different values",
+                    fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
+                )
+            )
+        return storage
 
     def materialize(self, layout: Layout, shape: tuple[int, ...], make_blocks) -> torch.Tensor:
         """A factory's storage from ``make_blocks(block_shape, shard)``: the padded blocks of

@@ -5,13 +5,22 @@ from __future__ import annotations
 import torch
 
 from .. import _blocks as blocks
-from .._errors import InputTypeError, LayoutError, ShapeError, explain
+from .._errors import InputTypeError, ShapeError, explain
 from .._layout import Layout
 from .._placements import Partial, Shard
 from .._sharding import shard_table
 from . import kernels, runtime
 
-__all__ = ["distribute", "gather", "shard", "shards", "from_local", "materialize", "splits_as_views"]
+__all__ = [
+    "distribute",
+    "gather",
+    "shard",
+    "shards",
+    "from_local",
+    "differing_replicas",
+    "materialize",
+    "splits_as_views",
+]
 
 
 def _partitioned(block: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -76,9 +85,8 @@ def shards(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -
     return (local,)
 
 
-def from_local(shards, layout: Layout, global_shape, *, run_check: bool, where: str) -> torch.Tensor:
-    """This rank's shard, checked against the layout (``run_check``: and its replicas against
-    the other ranks', which all agree on the verdict)."""
+def from_local(shards, layout: Layout, global_shape, *, where: str) -> torch.Tensor:
+    """This rank's shard, checked against the layout."""
     if len(shards) != 1:
         raise InputTypeError(
             explain(
@@ -101,14 +109,13 @@ def from_local(shards, layout: Layout, global_shape, *, run_check: bool, where: 
                 fix="pass shape= with the true global shape, or a shard of the right size",
             )
         )
-    if run_check:
-        _check_replicas_equal(local, layout, where)
     return local
 
 
-def _check_replicas_equal(local: torch.Tensor, layout: Layout, where: str) -> None:
-    # every rank runs the same collectives, then all agree on the verdict: a rank must not
-    # raise while the others wait for it in a collective
+def differing_replicas(local: torch.Tensor, layout: Layout) -> list[str]:
+    """The Replicate axes of ``layout`` along which the ranks' shards differ. Every rank runs
+    the same collectives and all agree on the verdict: a rank must not raise while the others
+    wait for it in a collective."""
     mesh = layout.mesh
     names = [n for n, p in zip(mesh.axis_names, layout.placements) if p.is_replicate()]
     differs = []
@@ -119,17 +126,7 @@ def _check_replicas_equal(local: torch.Tensor, layout: Layout, where: str) -> No
     flags = torch.tensor([float(d) for d in differs])
     if names:
         flags = kernels.all_reduce(flags, mesh, mesh.axis_names, "max")
-    bad = [n for n, flag in zip(names, flags.tolist()) if flag]
-    if bad:
-        raise LayoutError(
-            explain(
-                f"{where}(local_tensor)",
-                f"shards differ along mesh axis {bad[0]!r}, placed Replicate",
-                expected="equal shards on every rank of a Replicate axis",
-                got="different values",
-                fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
-            )
-        )
+    return [n for n, flag in zip(names, flags.tolist()) if flag]
 
 
 def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> torch.Tensor:

@@ -18,12 +18,21 @@ from functools import lru_cache
 import torch
 
 from .. import _blocks as blocks
-from .._errors import InputTypeError, LayoutError, ShapeError, explain
+from .._errors import InputTypeError, ShapeError, explain
 from .._layout import Layout
 from .._placements import Replicate, Shard
 from .._sharding import shard_table
 
-__all__ = ["distribute", "gather", "shard", "shards", "from_local", "materialize", "splits_as_views"]
+__all__ = [
+    "distribute",
+    "gather",
+    "shard",
+    "shards",
+    "from_local",
+    "differing_replicas",
+    "materialize",
+    "splits_as_views",
+]
 
 
 def distribute(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -163,7 +172,7 @@ def _device_index(mesh, device) -> int:
     )
 
 
-def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, run_check: bool, where: str):
+def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, where: str):
     """Storage from every device's shard (a list in flat mesh order) or from one shard that
     every device holds (what each rank passes in an SPMD program)."""
     mesh = layout.mesh
@@ -196,8 +205,6 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, run_che
                 fix="pass a list with every device's shard in row-major mesh order",
             )
         )
-    if run_check:
-        _check_replicas_equal(storage, layout, where)
     return storage
 
 
@@ -214,21 +221,14 @@ def _check_shape(got, expected, device: int, where: str, shape) -> None:
         )
 
 
-def _check_replicas_equal(storage: torch.Tensor, layout: Layout, where: str) -> None:
+def differing_replicas(storage: torch.Tensor, layout: Layout) -> list[str]:
+    """The Replicate axes of ``layout`` along which the devices' shards differ."""
     grid = storage.reshape(*layout.mesh.shape, *storage.shape[1:])
-    for axis, placement in enumerate(layout.placements):
-        if isinstance(placement, Replicate) and not torch.equal(
-            grid, grid.narrow(axis, 0, 1).expand_as(grid)
-        ):
-            raise LayoutError(
-                explain(
-                    f"{where}(local_tensor)",
-                    f"shards differ along mesh axis {layout.mesh.axis_names[axis]!r}, placed Replicate",
-                    expected="equal shards on every device of a Replicate axis",
-                    got="different values",
-                    fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
-                )
-            )
+    return [
+        name
+        for axis, (name, placement) in enumerate(zip(layout.mesh.axis_names, layout.placements))
+        if isinstance(placement, Replicate) and not torch.equal(grid, grid.narrow(axis, 0, 1).expand_as(grid))
+    ]
 
 
 def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> torch.Tensor:
