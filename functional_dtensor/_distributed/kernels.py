@@ -80,7 +80,7 @@ def _all_gather(x: torch.Tensor, size: int, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _wait(funcol.all_gather_single(x, 0, group))
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    c10d(dist.all_gather_into_tensor, out, x, group=group)
+    c10d(dist.all_gather_single, out, x, group=group)
     return out
 
 
@@ -90,7 +90,7 @@ def _reduce_scatter(x: torch.Tensor, size: int, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _wait(funcol.reduce_scatter_single(x, "sum", 0, group))
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    c10d(dist.reduce_scatter_tensor, out, x, group=group)
+    c10d(dist.reduce_scatter_single, out, x, group=group)
     return out
 
 
