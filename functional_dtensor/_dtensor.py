@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -162,8 +163,11 @@ def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]
     return autograd.apply(_FullTensor, storage, layout, shape)
 
 
+@functools.lru_cache(maxsize=1024)
 def without_partial(layout: Layout) -> Layout:
     """``layout`` with its Partial axes Replicate: the layout of a gradient (as DTensor)."""
+    if not layout.has_partial:
+        return layout
     return Layout(
         layout.mesh,
         tuple([Replicate() if p.is_partial() else p for p in layout.placements]),
