@@ -7,7 +7,10 @@ One 2048 x 2048 float32 value (16 MiB), the same on every rank, moved between la
 libraries in the same processes. Cases: on a 1-D mesh of all the ranks, ``S(0)->R``,
 ``S(0)->S(1)``, ``P->R``, ``P->S(0)``, ``R->S(0)``, ``S(1)->R``; with 4 ranks also on a 2 x 2
 mesh, ``(S0,S1)->(S1,S0)``, ``(S0,S1)->(R,R)``, ``(P,P)->(R,R)``, ``(S0,R)->(R,S0)``,
-``(S0,S0)->(R,R)``, ``(P,S0)->(S0,R)`` (P is ``Partial("sum")``).
+``(S0,S0)->(R,R)``, ``(P,S0)->(S0,R)`` (P is ``Partial("sum")``), and ``P(("b", "a")) ->
+P(("a", "b"))``: the rows split over both axes, ``b`` major, then ``a`` major (a reorder of one
+dim's axes; for DTensor, ``(_StridedShard(0, sf=2), Shard(0)) -> (Shard(0), Shard(0))``, the
+same layouts by torch's own conversion of the shard order).
 
 Per case, the source is built once in each library over the same contiguous local shard:
 this rank's block of ``fd.distribute_tensor`` (Partial axes: the value divided by the axis
@@ -62,6 +65,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
 from torch.distributed.tensor.debug import CommDebugMode
 
 import functional_dtensor as fd
@@ -76,27 +80,38 @@ CASES_2D = [
     ((S0, R), (R, S0)),
     ((S0, S0), (R, R)),
     ((P, S0), (S0, R)),
+    (fd.P(("b", "a")), fd.P(("a", "b"))),
 ]
-FAST = {((S0,), (S1,)), ((S0, S1), (S1, S0)), ((P, S0), (S0, R))}  # time target 0.5
+# time target 0.5
+FAST = {((S0,), (S1,)), ((S0, S1), (S1, S0)), ((P, S0), (S0, R)), (fd.P(("b", "a")), fd.P(("a", "b")))}
 MIB = 1 << 20
 
 
-def torch_placements(placements):
+def torch_placements(layout: fd.Layout, tmesh):
+    """The layout as torch DTensor placements: a shard order other than the mesh's becomes
+    ``_StridedShard`` placements, by torch's own conversion."""
     out = []
-    for p in placements:
+    for p in layout.placements:
         if isinstance(p, fd.Shard):
             out.append(TShard(p.dim))
         elif isinstance(p, fd.Partial):
             out.append(TPartial(p.op))
         else:
             out.append(TReplicate())
+    if layout.shard_order:
+        order = tuple(ShardOrderEntry(dim, axes) for dim, axes in layout.shard_order)
+        out = list(DTensorSpec._convert_shard_order_to_StridedShard(order, tuple(out), tmesh))
     return out
 
 
-def case_name(source, target) -> str:
-    def show(placements):
-        text = ",".join(str(p).replace("(sum)", "") for p in placements)
-        return f"({text})" if len(placements) > 1 else text
+def case_name(source: fd.Layout, target: fd.Layout) -> str:
+    """Placements in short form; partition specs where a dim's axes are not in mesh order."""
+    if source.shard_order or target.shard_order:
+        return f"{source.spec} -> {target.spec}"
+
+    def show(layout):
+        text = ",".join(str(p).replace("(sum)", "") for p in layout.placements)
+        return f"({text})" if len(layout.placements) > 1 else text
 
     return f"{show(source)} -> {show(target)}"
 
@@ -204,14 +219,17 @@ def max_over_ranks(value: int) -> int:
 
 class Case:
     def __init__(self, mesh: fd.DeviceMesh, tmesh, source, target, value: torch.Tensor):
+        self.fast = (source, target) in FAST
+        source, target = (_layout(mesh, x) for x in (source, target))
         self.name = case_name(source, target)
         self.source, self.target = source, target
-        self.tmesh, self.tplacements = tmesh, torch_placements(target)
+        self.tmesh, self.tplacements = tmesh, torch_placements(target, tmesh)
         local = fd.distribute_tensor(value, mesh, source).to_local().contiguous()  # S(1): a copy
         self.x = fd.from_local(local, mesh, source, shape=SHAPE)
-        self.dt = DTensor.from_local(self.x.to_local(), tmesh, torch_placements(source), run_check=False)
+        self.dt = DTensor.from_local(
+            self.x.to_local(), tmesh, torch_placements(source, tmesh), run_check=False, shape=SHAPE, stride=(SHAPE[1], 1)
+        )
         self.report = fd.explain_redistribute(self.x, target, show=False)
-        self.fast = (source, target) in FAST
 
     def run_fd(self) -> torch.Tensor:
         return fd.redistribute(self.x, self.target).to_local()
@@ -246,6 +264,10 @@ class Case:
             self.run_fd()
         self.fd_ran = log.summary()
         self.fd_ran_bytes = max_over_ranks(log.nbytes)
+
+
+def _layout(mesh: fd.DeviceMesh, layout) -> fd.Layout:
+    return fd.Layout.from_spec(mesh, layout) if isinstance(layout, fd.P) else fd.Layout(mesh, layout)
 
 
 def make_cases(world: int, value: torch.Tensor) -> list[Case]:
