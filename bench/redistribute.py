@@ -227,7 +227,12 @@ class Case:
         local = fd.distribute_tensor(value, mesh, source).to_local().contiguous()  # S(1): a copy
         self.x = fd.from_local(local, mesh, source, shape=SHAPE)
         self.dt = DTensor.from_local(
-            self.x.to_local(), tmesh, torch_placements(source, tmesh), run_check=False, shape=SHAPE, stride=(SHAPE[1], 1)
+            self.x.to_local(),
+            tmesh,
+            torch_placements(source, tmesh),
+            run_check=False,
+            shape=SHAPE,
+            stride=(SHAPE[1], 1),
         )
         self.report = fd.explain_redistribute(self.x, target, show=False)
 
