@@ -191,7 +191,9 @@ def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize
     that it does not hold (all of them, where a Partial source must be reduced over ``k > 1``
     devices); and the standard bounds of that reduction, on target blocks of ``d`` bytes:
     ``2 (k-1)/k d`` where the reduced axes become Replicate (an all-reduce), ``(k-1) d`` where
-    they become Shard (a reduce-scatter); these for even splits only."""
+    they become Shard (a reduce-scatter); these for even splits only, where every other mesh
+    axis keeps a Shard or Partial placement (a replica, or a value whose other axes change too,
+    lets devices off the reduction share its work, and then these bounds do not hold)."""
     mesh = source.mesh
     reduced = [
         a
@@ -205,8 +207,14 @@ def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize
         if not reduced:
             size -= _overlap(src, dst, device)
         need = max(need, size * itemsize)
-    if not reduced or not (src.is_even and dst.is_even):
-        return need  # the collective bounds below assume equal blocks
+    others = [a for a in range(mesh.ndim) if a not in reduced and mesh.shape[a] > 1]
+    if (
+        not reduced
+        or not (src.is_even and dst.is_even)  # the collective bounds below assume equal blocks
+        or any(isinstance(source.placements[a], Replicate) for a in others)
+        or any(source.placements[a] != target.placements[a] for a in others)
+    ):
+        return need
     k = math.prod([mesh.shape[a] for a in reduced])
     d = _block_bytes(target, shape, itemsize)
     if all(isinstance(target.placements[a], Replicate) for a in reduced):
@@ -331,12 +339,11 @@ def _moves(placements: Placements, orders: Orders, goal: Layout, mesh, integral:
         swapped = {a: b, b: a}
         after = tuple(tuple(swapped.get(x, x) for x in order) for order in orders)
         yield Swap, (a, b), {}, _set(_set(placements, (a,), pb), (b,), pa), after
-    if not any(isinstance(p, Partial) for p in placements):
-        for dim, order in enumerate(orders):  # the same blocks, the axes of a dim in another order
-            for other in itertools.permutations(order):
-                if other != order:
-                    reordered = tuple(other if d == dim else o for d, o in enumerate(orders))
-                    yield Permute, tuple(axes), {}, placements, reordered
+    for dim, order in enumerate(orders):  # the same blocks, the axes of a dim in another order
+        for other in itertools.permutations(order):  # (Partial parts keep their coordinates)
+            if other != order:
+                reordered = tuple(other if d == dim else o for d, o in enumerate(orders))
+                yield Permute, tuple(axes), {}, placements, reordered
 
 
 def _same_blocks(
@@ -403,7 +410,8 @@ def plan(
 
 
 def _block_of(layout: Layout, device: int, ndim: int) -> tuple[int, ...]:
-    """The block a device holds, per dim: its flat index over the dim's axes, major first."""
+    """The block a device holds, per dim: its flat index over the dim's axes, major first; then
+    its coordinates along the Partial axes (which part of the block it holds)."""
     mesh = layout.mesh
     coordinate = mesh.coordinate(device)
     block = []
@@ -412,7 +420,8 @@ def _block_of(layout: Layout, device: int, ndim: int) -> tuple[int, ...]:
         for axis in layout.sharding_axes(dim):
             index = index * mesh.shape[axis] + coordinate[axis]
         block.append(index)
-    return tuple(block)
+    parts = [coordinate[a] for a, p in enumerate(layout.placements) if isinstance(p, Partial)]
+    return (*block, *parts)
 
 
 @lru_cache(maxsize=256)
