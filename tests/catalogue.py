@@ -1,18 +1,20 @@
 """A catalogue of per-device programs for the systematic shard_map tests.
 
-Each case is built for a mesh and a tuple of mesh axes ``A`` (mesh order) with ``N`` devices
-along them, and gives: the per-device function, its specs, global input shapes, a reference on
-global tensors (plain torch, single device: the oracle for values and gradients), and the
-collectives its forward runs.
+Each case is built for a mesh and a tuple of mesh axes ``A`` (in any order: device ``i`` along
+them is the one with index ``i``, the first axis major, which is also the block order of a
+``P(A)`` entry) with ``N`` devices along them, and gives: the per-device function, its specs,
+global input shapes, a reference on global tensors (plain torch, single device: the oracle for
+values and gradients), and the collectives its forward runs.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from backends import events
 
 import functional_dtensor as fd
 
@@ -37,7 +39,7 @@ def blocks(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
 
 
 def cases(mesh: fd.DeviceMesh, A: tuple[str, ...], m: int = 2) -> list[Case]:
-    """Every catalogue case for axes ``A`` (mesh order) of ``mesh``; local sizes ``m``."""
+    """Every catalogue case for axes ``A`` (any order) of ``mesh``; local sizes ``m``."""
     N = mesh.axis_size(A)
     a = A if len(A) > 1 else A[0]
     S, R = fd.P(a), fd.P()
@@ -223,5 +225,49 @@ def global_inputs(case: Case, dtype=torch.float64, seed: int = 0) -> list[torch.
     return [torch.randn(s, generator=generator, dtype=dtype) for s in case.shapes]
 
 
-def size(mesh: fd.DeviceMesh, A) -> int:
-    return math.prod(mesh.axis_size(a) for a in A)
+# --- running a case (a job for either backend: see backends.py) ---------------------------------
+
+
+def pick(mesh, axes, name: str, check_rep: bool | None = None) -> Case:
+    case = next(c for c in cases(mesh, axes) if c.name == name)
+    return case if check_rep is None else dataclasses.replace(case, check_rep=check_rep)
+
+
+def mapped(case: Case, mesh):
+    return fd.shard_map(
+        case.f, mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs, check_rep=case.check_rep
+    )
+
+
+def run_case(mesh, axes, name: str, check_rep: bool | None = None, seed: int = 0) -> dict:
+    """A job: one catalogue case on ``mesh``, the output's shards and global value, the
+    gradients of the global inputs for a fixed cotangent, and the collectives of the forward
+    and the backward."""
+    case = pick(mesh, axes, name, check_rep)
+    inputs = [t.requires_grad_() for t in global_inputs(case, seed=seed)]
+    with fd.CommDebugMode() as forward:
+        out = mapped(case, mesh)(*inputs)
+    full = out.full_tensor()
+    cotangent = torch.randn(full.shape, dtype=full.dtype, generator=torch.Generator().manual_seed(seed + 1))
+    with fd.CommDebugMode() as backward:
+        grads = torch.autograd.grad(full, inputs, cotangent, allow_unused=True)
+    return {
+        "shape": tuple(out.shape),
+        "placements": out.placements,
+        "full": full.detach(),
+        "shards": [s.detach() for s in out.local_shards()],
+        "grads": [None if g is None else g.detach() for g in grads],
+        "forward": events(forward),
+        "backward": events(backward),
+    }
+
+
+def reference(case: Case, seed: int = 0) -> dict:
+    inputs = [t.requires_grad_() for t in global_inputs(case, seed=seed)]
+    out = case.reference(*inputs)
+    cotangent = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed + 1))
+    grads = torch.autograd.grad(out, inputs, cotangent, allow_unused=True)
+    return {
+        "full": out.detach(),
+        "grads": [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads, strict=True)],
+    }

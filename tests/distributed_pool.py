@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankPool", "RankError", "Outcome", "pool", "prestart", "close_all", "rank_and_world"]
+__all__ = ["RankPool", "RankError", "Outcome", "pool", "prestart", "close_all", "rank_and_world", "resolve"]
 
 START_TIMEOUT = 120.0  # seconds for every rank to start, join the group and warm up
 JOB_TIMEOUT = 60.0  # default seconds for one job on every rank
@@ -311,7 +311,7 @@ def _serve(rank: int, world_size: int, port: int, timeout: float, path: list[str
             break
         job_id, (module_name, module_file, qualname, payload) = message
         try:
-            fn = _resolve(module_name, module_file, qualname)
+            fn = resolve(module_name, module_file, qualname)
             args, kwargs = pickle.loads(payload)
             answer = (rank, job_id, True, pickle.dumps(fn(*args, **kwargs)))
         except BaseException:
@@ -340,7 +340,7 @@ def _warm_up() -> None:
         raise RuntimeError(f"the warm-up all_reduce gave {probe.item()}, not {dist.get_world_size()}")
 
 
-def _resolve(module_name: str, module_file: str | None, qualname: str) -> Callable:
+def resolve(module_name: str, module_file: str | None, qualname: str) -> Callable:
     """The job's function: import its module by name, or from its file under the parent's
     module name (pytest's importlib mode names test modules in ways ``import`` cannot find)."""
     module = sys.modules.get(module_name)

@@ -68,7 +68,9 @@ def test_replicated_times_column_blocks_equals_unsharded(devices, lead, k, m, op
     want = matmul(x, w)
     torch.testing.assert_close(got, want)
     cotangent = torch.randn_like(want)
-    for g, h in zip(_grads((got * cotangent).sum(), (x, w)), _grads((want * cotangent).sum(), (x, w))):
+    for g, h in zip(
+        _grads((got * cotangent).sum(), (x, w)), _grads((want * cotangent).sum(), (x, w)), strict=True
+    ):
         torch.testing.assert_close(g, h)
 
 

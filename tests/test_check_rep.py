@@ -74,7 +74,7 @@ def test_tracked_transposes_need_no_defensive_all_reduce():
     f2, b2, grads_unchecked = mlp_step(check_rep=False)
     assert f2.get_comm_counts() == {"all_reduce": 1}
     assert b2.get_comm_counts() == {"all_reduce": 4}  # plus the defensive psum of psum's cotangent
-    for a, b in zip(grads, grads_unchecked):
+    for a, b in zip(grads, grads_unchecked, strict=True):
         torch.testing.assert_close(a, b)
 
 

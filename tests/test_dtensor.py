@@ -1,9 +1,10 @@
-"""DTensor on the simulated backend, against direct slicing of the global tensor.
+"""DTensor and its factories, on the simulated backend and (second half) on both backends,
+against direct slicing of the global tensor.
 
 The oracle is a plain loop over devices: device k's shard is the block of the global tensor at
-``shard_table`` offset/shape k (torch's own rule, checked in test_sharding.py), and a Partial
-value is the reduction, in mesh order, of the shards of the devices that differ only in their
-Partial coordinates.
+``shard_table`` offset/shape k (torch's own rule, checked in test_sharding.py) or, on both
+backends, the nested ``torch.chunk`` of :mod:`backends`; a Partial value is the reduction, in
+mesh order, of the shards of the devices that differ only in their Partial coordinates.
 """
 
 from __future__ import annotations
@@ -14,7 +15,18 @@ import math
 import optree
 import pytest
 import torch
-from hypothesis import assume, given
+from backends import (
+    Mesh,
+    all_specs,
+    block,
+    coordinates,
+    local_of,
+    per_device,
+    reduce_partial,
+    relayout,
+    spec_of_shards,
+)
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
@@ -32,7 +44,7 @@ def global_value(shape, dtype) -> torch.Tensor:
     return values.reshape(shape).to(dtype)
 
 
-def block(tensor: torch.Tensor, table, device: int) -> torch.Tensor:
+def table_block(tensor: torch.Tensor, table, device: int) -> torch.Tensor:
     index = tuple(
         slice(o, o + s) for o, s in zip(table.offsets[device], table.local_shapes[device], strict=True)
     )
@@ -47,36 +59,6 @@ def assert_same(got: torch.Tensor, expected: torch.Tensor, *, exact: bool = True
     else:
         tolerance = max(terms * torch.finfo(got.dtype).eps, 1.3e-6)
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
-
-
-REDUCE = {
-    "sum": lambda ts: torch.stack(ts).sum(0, dtype=ts[0].dtype),
-    "avg": lambda ts: (
-        torch.stack(ts).sum(0, dtype=ts[0].dtype) / len(ts)
-        if ts[0].is_floating_point()
-        else torch.stack(ts).sum(0, dtype=ts[0].dtype).div(len(ts), rounding_mode="floor")
-    ),
-    "max": lambda ts: torch.stack(ts).amax(0),
-    "min": lambda ts: torch.stack(ts).amin(0),
-}
-
-
-def reduce_partial_shards(shards, mesh: fd.DeviceMesh, layout: fd.Layout) -> dict:
-    """{device: value} for the devices with Partial coordinates 0, each value the reduction of
-    its group's shards, axis by axis in mesh order (a plain loop, independent of the library)."""
-    values = {mesh.coordinate(k): shards[k] for k in range(mesh.size)}
-    for axis, placement in enumerate(layout.placements):
-        if not placement.is_partial():
-            continue
-        reduced = {}
-        for coordinate in values:
-            if coordinate[axis] == 0:
-                group = [
-                    values[coordinate[:axis] + (i,) + coordinate[axis + 1 :]] for i in range(mesh.shape[axis])
-                ]
-                reduced[coordinate] = REDUCE[placement.op](group)
-        values = reduced
-    return {mesh.flat_index(c): v for c, v in values.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,11 +94,15 @@ def test_every_shard_is_the_block_the_chunk_rule_gives(case):
         assert tuple(shards[k].shape) == table.local_shapes[k] and shards[k].dtype == dtype
     if not layout.has_partial:
         for k in range(mesh.size):
-            assert torch.equal(shards[k], block(tensor, table, k))
+            assert torch.equal(shards[k], table_block(tensor, table, k))
         return
-    reduced = reduce_partial_shards(shards, mesh, layout)
-    for k, value in reduced.items():
-        assert_same(value, block(tensor, table, k), exact=not dtype.is_floating_point, terms=mesh.size)
+    reduced = reduce_partial(shards, mesh.shape, layout.placements)
+    assert len(reduced) == mesh.size // math.prod(
+        n for n, p in zip(mesh.shape, layout.placements, strict=True) if p.is_partial()
+    )
+    for coordinate, value in reduced.items():
+        k = mesh.flat_index(coordinate)
+        assert_same(value, table_block(tensor, table, k), exact=not dtype.is_floating_point, terms=mesh.size)
 
 
 def test_partial_sum_shards_follow_dtensor():
@@ -347,6 +333,288 @@ def test_gradients_flow_from_local_shards(case):
     loss = torch.zeros((), dtype=dtype)
     for k in range(mesh.size):
         if all(c == 0 or p.is_shard() for c, p in zip(mesh.coordinate(k), layout.placements, strict=True)):
-            loss = loss + (x.to_local(device=k) * block(weight, case.table, k)).sum()
+            loss = loss + (x.to_local(device=k) * table_block(weight, case.table, k)).sum()
     loss.backward()
     torch.testing.assert_close(tensor.grad, weight)
+
+
+# =============================================================================================
+# On both backends (simulated; gloo with 2 and 4 ranks)
+
+S, R, Pa = fd.Shard, fd.Replicate(), fd.Partial
+
+
+def value_of(shape, dtype: str, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == "int64":
+        return torch.randint(-5, 6, shape, generator=generator)
+    return torch.randn(shape, generator=generator, dtype=getattr(torch, dtype))
+
+
+def job_round_trip(mesh, items) -> list[dict]:
+    """distribute_tensor then full_tensor for each ``(shape, layout, dtype, seed)``; the
+    gradient of the round trip (the identity) for floating values; and from_local of the
+    shards distribute_tensor gave, with and without run_check."""
+    out = []
+    for shape, layout, dtype, seed in items:
+        layout = relayout(mesh, layout)
+        value = value_of(shape, dtype, seed)
+        x = value.clone().requires_grad_(value.is_floating_point())
+        d = fd.distribute_tensor(x, mesh, layout)
+        full = d.full_tensor()
+        grad = None
+        if value.is_floating_point():
+            (grad,) = torch.autograd.grad(full, x, torch.ones_like(full) * 3 + value)
+        shards = [s.detach() for s in d.local_shards()]
+        local = shards if mesh.backend == "simulated" else shards[0]
+        again = [fd.from_local(local, mesh, layout, shape=shape, run_check=check) for check in (True, False)]
+        out.append(
+            {
+                "shape": tuple(d.shape),
+                "layout": (d.placements, d.layout.shard_order),
+                "shards": shards,
+                "full": full.detach(),
+                "grad": grad,
+                "from_local": [(tuple(a.shape), a.full_tensor()) for a in again],
+            }
+        )
+    return out
+
+
+def check_round_trips(backend, mesh: Mesh, items) -> None:
+    results = backend.run(job_round_trip, mesh.shape, mesh.names, items)
+    for k, (shape, layout, dtype, seed) in enumerate(items):
+        value = value_of(shape, dtype, seed)
+        at = f"{layout} {shape} {dtype} on {mesh}"
+        inexact = value.is_floating_point() and any(p in (Pa("sum"), Pa("avg")) for p in layout.placements)
+        answers = [r[k] for r in results]
+        for p, got in enumerate(answers):
+            assert got["shape"] == tuple(shape) and got["layout"] == (
+                layout.placements,
+                layout.shard_order,
+            ), at
+            for full in [got["full"], *[f for _, f in got["from_local"]]]:
+                if inexact:
+                    torch.testing.assert_close(full, value)
+                else:
+                    assert torch.equal(full, value), f"{at}, process {p}"
+            assert all(s == tuple(shape) for s, _ in got["from_local"]), at
+            if value.is_floating_point():
+                torch.testing.assert_close(got["grad"], torch.ones_like(value) * 3 + value)
+        shards = per_device(answers, "shards")
+        assert len(shards) == mesh.size and all(s.dtype == value.dtype for s in shards), at
+        blocks = reduce_partial(shards, mesh.shape, layout.placements)
+        for coordinate, got in blocks.items():
+            want = block(value, mesh.shape, mesh.names, spec_of_shards(layout), coordinate)
+            if inexact:
+                torch.testing.assert_close(got, want)
+            else:
+                assert torch.equal(got, want), f"{at}: device at {coordinate}"
+
+
+def items_of(mesh: Mesh, rows) -> list[tuple]:
+    sim = mesh.simulated()
+    return [
+        (shape, fd.Layout.from_spec(sim, spec) if isinstance(spec, fd.P) else fd.Layout(sim, spec), dtype, k)
+        for k, (shape, spec, dtype) in enumerate(rows)
+    ]
+
+
+LAYOUTS_1D = [
+    ((5, 3), (R,), "float64"),
+    ((5, 3), (S(0),), "float64"),  # uneven: 3+2 on 2 ranks, 2+2+1+0 on 4
+    ((2, 7), (S(1),), "float32"),
+    ((1,), (S(0),), "float64"),  # trailing ranks empty
+    ((0, 2), (S(0),), "float64"),  # empty global value
+    ((7,), (S(0),), "int64"),
+    ((3, 2), (Pa("sum"),), "float64"),
+    ((3, 2), (Pa("avg"),), "float64"),
+    ((3, 2), (Pa("max"),), "float64"),
+    ((3, 2), (Pa("min"),), "float64"),
+    ((3, 2), (Pa("sum"),), "int64"),
+    ((3,), (Pa("max"),), "int64"),
+    ((3,), (Pa("avg"),), "int64"),
+]
+LAYOUTS_2D = [
+    ((5, 3), (S(0), S(1)), "float64"),
+    ((7, 2), (S(0), S(0)), "float64"),  # dim 0 split over both axes, unevenly
+    ((7, 2), fd.P(("y", "x")), "float64"),  # the same, y major
+    ((3, 5), (S(1), S(0)), "float32"),
+    ((5,), (R, S(0)), "float64"),
+    ((2, 2), (R, R), "float64"),
+    ((5, 2), (Pa("sum"), S(0)), "float64"),
+    ((2, 3), (S(1), Pa("max")), "float64"),
+    ((3,), (Pa("avg"), Pa("min")), "float64"),
+    ((4,), (Pa("sum"), Pa("sum")), "int64"),
+    ((5,), (Pa("avg"), Pa("avg")), "int64"),
+    ((1, 3), (S(0), Pa("sum")), "float64"),
+]
+LAYOUTS_3D = [
+    ((12, 5), fd.P(("z", "x", "y")), "float64"),
+    ((7, 5), fd.P(("y", "x"), "z"), "int64"),
+    ((5,), (Pa("sum"), S(0), Pa("avg")), "int64"),
+]
+LAYOUTS = {(2,): LAYOUTS_1D, (4,): LAYOUTS_1D, (2, 2): LAYOUTS_2D, (2, 3, 2): LAYOUTS_3D}
+
+
+@pytest.mark.meshes(*LAYOUTS)
+def test_distribute_full_tensor_and_from_local(backend, mesh):
+    check_round_trips(backend, mesh, items_of(mesh, LAYOUTS[mesh.shape]))
+
+
+@pytest.mark.meshes((4,), (2, 2), (2, 3), (2, 3, 2))
+def test_every_spec_of_a_2d_value(backend, mesh):
+    """Every spec (each axis on a dim or none, a dim's axes in every order), even and uneven."""
+    specs = all_specs(mesh.names, 2)
+    rows = [((2 * mesh.size, mesh.size), spec, "float64") for spec in specs]
+    rows += [((7, 5), spec, "int64") for spec in specs]
+    check_round_trips(backend, mesh, items_of(mesh, rows))
+
+
+@st.composite
+def drawn_items(draw, mesh: Mesh, n: int):
+    sim = mesh.simulated()
+    items = []
+    for k in range(n):
+        shape = draw(fds.global_shapes(max_dims=3, max_side=6, max_elements=64))
+        layout = draw(fds.layouts(sim, len(shape), allow_partial=True))
+        items.append((shape, layout, draw(st.sampled_from(["float64", "float32", "int64"])), k))
+    return items
+
+
+@pytest.mark.meshes((2,), (4,), (2, 2), (2, 3, 2))
+@settings(max_examples=5)
+@given(data=st.data())
+def test_drawn_round_trips(backend, mesh, data):
+    check_round_trips(backend, mesh, data.draw(drawn_items(mesh, 6)))
+
+
+def job_from_local_even(mesh) -> dict:
+    """from_local without ``shape``: the split is taken to be even. Device d's rows are d."""
+    local = [torch.full((2, 3), float(d)) for d in range(mesh.size)]
+    d = fd.from_local(local_of(mesh, local), mesh, fd.P(tuple(reversed(mesh.axis_names))))
+    return {"shape": tuple(d.shape), "full": d.full_tensor()}
+
+
+@pytest.mark.meshes((2,), (2, 2))
+def test_from_local_without_a_shape_takes_an_even_split(backend, mesh):
+    spec = fd.P(tuple(reversed(mesh.names)))
+    for got in backend.run(job_from_local_even, mesh.shape, mesh.names):
+        assert got["shape"] == (2 * mesh.size, 3)
+        for d, coordinate in enumerate(coordinates(mesh.shape)):
+            assert (block(got["full"], mesh.shape, mesh.names, spec, coordinate) == d).all(), coordinate
+
+
+def job_bad_replicas(mesh) -> str:
+    """Shards that differ along a Replicate axis: every process must raise."""
+    local = [torch.full((2,), float(d)) for d in range(mesh.size)]
+    try:
+        fd.from_local(local_of(mesh, local), mesh, (R,) * mesh.ndim, run_check=True)
+    except fd.LayoutError as e:
+        return type(e).__name__ + ": " + str(e)
+    return "no error"
+
+
+@pytest.mark.meshes((2,), (4,))
+def test_from_local_run_check_finds_differing_replicas(backend, mesh):
+    for p, got in enumerate(backend.run(job_bad_replicas, mesh.shape, mesh.names)):
+        assert got.startswith("LayoutError") and "placed Replicate" in got and "'x'" in got, (p, got)
+
+
+FACTORIES = [
+    ("zeros", (5, 3), (S(0),)),
+    ("ones", (5, 3), (S(1),)),
+    ("ones", (4,), (Pa("sum"),)),
+    ("full", (3, 2), (R,)),
+    ("full", (7,), (S(0),)),
+    ("empty", (5, 2), (S(0),)),
+    ("rand", (6, 2), (S(0),)),
+    ("rand", (7, 3), (S(1),)),
+    ("randn", (3, 3), (R,)),
+    ("randn", (9,), (S(0),)),
+]
+
+
+def job_factories(mesh, seed: int) -> list[dict]:
+    """Each factory with every process's generator seeded alike (as usual): the local shards
+    and the global value."""
+    torch.manual_seed(seed)
+    out = []
+    for name, shape, placements in FACTORIES:
+        placements = placements + (R,) * (mesh.ndim - len(placements))
+        if name == "full":
+            d = fd.full(shape, 2.5, mesh=mesh, placements=placements, dtype=torch.float64)
+        else:
+            d = getattr(fd, name)(shape, mesh=mesh, placements=placements, dtype=torch.float64)
+        out.append(
+            {
+                "shape": tuple(d.shape),
+                "dtype": d.dtype,
+                "shards": list(d.local_shards()),
+                "full": d.full_tensor(),
+            }
+        )
+    return out
+
+
+@pytest.mark.meshes((2,), (4,), (2, 2))
+def test_factories(backend, mesh):
+    results = backend.run(job_factories, mesh.shape, mesh.names, 0)
+    # random values do not depend on the backend: the simulated mesh draws the same
+    sim = job_factories(mesh.simulated(), 0)
+    fills = {"zeros": 0.0, "ones": 1.0, "full": 2.5}
+    for k, (name, shape, placements) in enumerate(FACTORIES):
+        answers = [r[k] for r in results]
+        at = f"fd.{name} {placements} on {mesh}"
+        layout = fd.Layout(mesh.simulated(), placements + (R,) * (len(mesh.shape) - len(placements)))
+        table = layout_table(layout, shape)
+        shards = per_device(answers, "shards")
+        for d, s in enumerate(shards):
+            assert tuple(s.shape) == table[d] and s.dtype == torch.float64, at
+        for got in answers:
+            assert (got["shape"], got["dtype"], got["full"].shape) == (
+                shape,
+                torch.float64,
+                torch.Size(shape),
+            ), at
+            if name in fills:
+                assert torch.equal(got["full"], torch.full(shape, fills[name], dtype=torch.float64)), at
+            if name in ("rand", "randn"):
+                assert torch.equal(got["full"], sim[k]["full"]), f"{at}: differs from the simulated draw"
+        if name == "rand":
+            full = answers[0]["full"]
+            assert bool(((full >= 0) & (full < 1)).all()), at
+        if name in ("rand", "randn") and placements[0].is_shard():  # distinct blocks, distinct draws
+            along = [shards[i * (mesh.size // mesh.shape[0])] for i in range(mesh.shape[0])]  # axis 0
+            distinct = [s for s in along if s.numel()]
+            assert len(distinct) > 1, at
+            assert not any(torch.equal(a, b) for a, b in itertools.combinations(distinct, 2)), at
+
+
+def layout_table(layout: fd.Layout, shape) -> list[tuple[int, ...]]:
+    """Each device's local shape, by the oracle."""
+    mesh = layout.mesh
+    zeros = torch.zeros(shape)
+    spec = spec_of_shards(layout)
+    return [tuple(block(zeros, mesh.shape, mesh.axis_names, spec, c).shape) for c in coordinates(mesh.shape)]
+
+
+def job_vmap_full_tensor(mesh):
+    """vmap over distribute_tensor + full_tensor; an error is returned, not raised (every
+    process fails alike, before any data moves)."""
+    import traceback
+
+    batch = torch.arange(16.0).reshape(2, 4, 2)
+    try:
+        return torch.func.vmap(lambda a: fd.distribute_tensor(a, mesh, fd.P(mesh.axis_names)).full_tensor())(
+            batch
+        )
+    except Exception:
+        return traceback.format_exc()
+
+
+@pytest.mark.meshes((2,), (2, 2))
+def test_vmap_of_distribute_and_full_tensor(backend, mesh):
+    for p, got in enumerate(backend.run(job_vmap_full_tensor, mesh.shape, mesh.names)):
+        assert isinstance(got, torch.Tensor), f"process {p}:\n{got}"
+        assert torch.equal(got, torch.arange(16.0).reshape(2, 4, 2)), p

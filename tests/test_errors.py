@@ -51,6 +51,11 @@ CASES = [
     ("from-spec-type", lambda: fd.Layout.from_spec(MESH, ("x",)), fd.InputTypeError, TypeError, ["from_spec(spec)", "('x',)"]),
     ("spec-of-partial", lambda: fd.Layout(MESH, (fd.Partial(), fd.Shard(0))).spec, fd.LayoutError, ValueError, ["fd.Layout.spec", "'x'", "P(sum)S(0)"]),
     ("spec-of-negative-dim", lambda: fd.Layout(MESH_1D, (fd.Shard(-1),)).spec, fd.LayoutError, ValueError, ["fd.Layout.spec", "S(-1)"]),
+    ("shard-order-repeats-an-axis", lambda: fd.Layout(MESH, (fd.Shard(0), fd.Shard(0)), ((0, (0, 0)),)), fd.LayoutError, ValueError, ["fd.Layout(shard_order)", "a permutation of (0, 1)", "(0, 0)"]),
+    ("shard-order-misses-an-axis", lambda: fd.Layout(MESH, (fd.Shard(0), fd.Shard(0)), ((0, (1,)),)), fd.LayoutError, ValueError, ["fd.Layout(shard_order)", "a permutation of (0, 1)", "(1,)"]),
+    ("shard-order-of-an-unsplit-dim", lambda: fd.Layout(MESH, (fd.Shard(0), fd.Shard(0)), ((1, (1, 0)),)), fd.LayoutError, ValueError, ["order of dim 1", "a permutation of ()"]),
+    ("shard-order-dim-twice", lambda: fd.Layout(MESH, (fd.Shard(0), fd.Shard(0)), ((0, (1, 0)), (0, (1, 0)))), fd.LayoutError, ValueError, ["one entry per dim", "each dim at most once"]),
+    ("shard-order-type", lambda: fd.Layout(MESH, (fd.Shard(0), fd.Shard(0)), "yx"), fd.InputTypeError, TypeError, ["fd.Layout(shard_order)", "(dim, axes) pairs", "'yx'"]),
     ("normalized-out-of-range", lambda: fd.Layout(MESH_1D, (fd.Shard(2),)).normalized(2), fd.LayoutError, ValueError, ["placements[0]", "[-2, 2)", "2"]),
     # --- distribute_tensor
     ("distribute-unknown-axis", lambda: fd.distribute_tensor(T, MESH, fd.P("z")), fd.LayoutError, ValueError, ["fd.distribute_tensor(placements)(spec[0])", "'z'", "('x', 'y')"]),
@@ -148,3 +153,75 @@ def test_error_messages_read_in_one_form():
         "mesh, one of ('x', 'y'), got 'z'. Fix: use the mesh's axis names, or build the mesh with "
         "this axis"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The same errors on both backends, raised in every process before any collective runs
+
+
+def _shard_map(mesh, f, in_specs, out_specs):
+    return fd.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+# (call on a 2-device mesh 'x' or a 2 x 2 mesh ('x', 'y'), library error, text of the message)
+BOTH_BACKENDS = [
+    (
+        lambda m: _shard_map(m, lambda v: v, fd.P("x"), fd.P("x"))(torch.ones(5)),
+        fd.ShapeError,
+        "5 = 2 * 2 + 1",
+    ),
+    (lambda m: _shard_map(m, lambda v: v, fd.P("x"), fd.P())(torch.ones(4)), fd.SpecError, "check_rep=False"),
+    (
+        lambda m: _shard_map(m, lambda v: fd.psum(v, "z"), fd.P("x"), fd.P())(torch.ones(4)),
+        fd.AxisNameError,
+        "'z'",
+    ),
+    (
+        lambda m: _shard_map(m, lambda v: v, fd.P("x"), fd.P("x"))(
+            fd.distribute_tensor(torch.ones(4), m, fd.P())
+        ),
+        fd.SpecError,
+        "fd.redistribute",
+    ),
+    (lambda m: fd.from_local(torch.ones(3), m, fd.P("x"), shape=(4,)), fd.ShapeError, "(2,)"),
+    (lambda m: fd.distribute_tensor(T, m, fd.P("q")), fd.LayoutError, "'q'"),
+    (lambda m: fd.redistribute(torch.ones(2), fd.P()), fd.InputTypeError, "fd.distribute_tensor"),
+]
+BOTH_BACKENDS_2D = [  # a dim's axes in another order than the mesh's
+    (
+        lambda m: _shard_map(m, lambda v: v, fd.P(("y", "x")), fd.P(("y", "x")))(torch.ones(6)),
+        fd.ShapeError,
+        "('y', 'x')",
+    ),
+    (
+        lambda m: _shard_map(m, lambda v: v, fd.P(("x", "y")), fd.P(("x", "y")))(
+            fd.distribute_tensor(torch.ones(8), m, fd.P(("y", "x")))
+        ),
+        fd.SpecError,
+        "fd.redistribute",
+    ),
+    (lambda m: fd.P(("y", "x"), "x"), fd.LayoutError, "'x'"),
+]
+
+
+def job_raised(mesh, table: str) -> list[str]:
+    """The error each call of the table raises here (each before any collective runs)."""
+    out = []
+    for call, _, _ in {"1d": BOTH_BACKENDS, "2d": BOTH_BACKENDS_2D}[table]:
+        try:
+            call(mesh)
+            out.append("no error")
+        except fd.FunctionalDTensorError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+@pytest.mark.meshes((2,), (2, 2))
+def test_errors_are_the_same_on_every_backend(backend, mesh):
+    table = "1d" if len(mesh.shape) == 1 else "2d"
+    rows = {"1d": BOTH_BACKENDS, "2d": BOTH_BACKENDS_2D}[table]
+    want = job_raised(mesh.simulated(), table)
+    for p, got in enumerate(backend.run(job_raised, mesh.shape, mesh.names, table)):
+        for (_, error, text), g, w in zip(rows, got, want, strict=True):
+            assert g.startswith(f"{error.__name__}: fd.") and text in g, (p, g)
+            assert g.split(":")[:2] == w.split(":")[:2], (p, g, w)  # the class and the API's argument

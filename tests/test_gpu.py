@@ -30,7 +30,7 @@ def test_shard_map_mlp_on_a_simulated_cuda_mesh_matches_cpu():
         assert y.device.type == device
         grads = torch.autograd.grad(y.square().sum(), inputs)
         results.append([y.cpu(), *[g.cpu() for g in grads]])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 

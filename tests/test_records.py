@@ -243,6 +243,25 @@ def test_spec_layout_round_trip(data):
         assert layout.placements[axis] == (fd.Shard(dims[0]) if dims else fd.Replicate())
 
 
+def test_a_dims_axes_in_any_order():
+    """A tuple entry lists axes major first, in any order (JAX's meaning); an order other than
+    the mesh's is the layout's shard order (torch's), shown as each axis's rank in it."""
+    mesh = fd.simulated_mesh((2, 2, 2), ("x", "y", "z"))
+    layout = fd.Layout.from_spec(mesh, fd.P(("z", "x"), "y"))
+    assert layout.placements == (fd.Shard(0), fd.Shard(1), fd.Shard(0))
+    assert layout.shard_order == ((0, (2, 0)),) and layout.sharding_axes(0) == (2, 0)
+    assert str(layout) == "S(0)[1]S(1)S(0)[0]" and layout.spec == fd.P(("z", "x"), "y")
+    assert layout != fd.Layout.from_spec(mesh, fd.P(("x", "z"), "y"))
+    assert fd.Layout.from_spec(mesh, fd.P(("x", "z"), "y")).shard_order == ()  # mesh order: none recorded
+    assert fd.Layout(mesh, layout.placements, ((0, (0, 2)),)) == fd.Layout(mesh, layout.placements)
+    assert eval(repr(layout), NAMESPACE) == layout
+    assert layout.normalized(2) is layout
+    negative = fd.Layout(mesh, (fd.Shard(-2), fd.Shard(1), fd.Shard(-2)), ((-2, (2, 0)),))
+    assert negative.normalized(2) == layout
+    three = fd.Layout.from_spec(mesh, fd.P(("y", "z", "x")))
+    assert three.sharding_axes(0) == (1, 2, 0) and str(three) == "S(0)[2]S(0)[0]S(0)[1]"
+
+
 def test_layout_from_spec_examples():
     mesh = fd.simulated_mesh((2, 2, 2), ("x", "y", "z"))
     assert fd.Layout.from_spec(mesh, fd.P()).placements == (fd.Replicate(),) * 3
@@ -348,3 +367,14 @@ def test_sub_mesh_example():
     )
     with pytest.raises(fd.MeshError, match="'pp'"):
         mesh["pp"]
+
+
+def test_records_pickle_under_their_public_names():
+    """A pickle names ``functional_dtensor.P``, not a private module, so files written today
+    load after the package's modules are reorganised."""
+    mesh = fd.simulated_mesh((2, 2), ("a", "b"))
+    layout = fd.Layout.from_spec(mesh, fd.P(("b", "a")))
+    for record in [fd.P("a", None), fd.Shard(1), fd.Replicate(), fd.Partial("avg"), mesh, layout]:
+        data = pickle.dumps(record)
+        assert b"functional_dtensor._" not in data, record
+        assert pickle.loads(data) == record

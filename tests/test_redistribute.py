@@ -1,17 +1,344 @@
-"""fd.redistribute: any layout to any layout, the same global value, gradients back in the
-source layout."""
+"""fd.redistribute on both backends: any layout to any layout (a dim's axes in any order,
+Partial axes, uneven shapes), the same global value, every device's block of the target layout
+(the plain-loop oracle), the gradient back in the source layout, and the collectives of the
+plan, bytes included. Integer values keep their dtype and reduce as their own full_tensor does.
+(The planner alone is tested in test_plan.py.)"""
 
 from __future__ import annotations
 
+import itertools
+import zlib
+
 import pytest
 import torch
-from hypothesis import given
+from backends import (
+    Mesh,
+    block,
+    coordinates,
+    events,
+    local_of,
+    per_device,
+    reduce_partial,
+    relayout,
+    spec_of_shards,
+)
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
-from functional_dtensor._plan import Regather, lower_bound, plan, step_bytes
+from functional_dtensor._plan import Permute, Regather, plan
 from functional_dtensor._sharding import shard_table
 from functional_dtensor.testing import strategies as fds
+
+S, R, Pa = fd.Shard, fd.Replicate(), fd.Partial
+PS = Pa("sum")
+
+
+def value_of(shape, dtype: str, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == "int64":
+        return torch.randint(-50, 51, shape, generator=generator)
+    return torch.randn(shape, generator=generator, dtype=getattr(torch, dtype))
+
+
+def expected_events(source: fd.Layout, target: fd.Layout, shape, dtype: str) -> list[tuple]:
+    """``(op, axes)`` of each collective the plan runs (a regather: an all-reduce per Partial
+    axis, then one all-gather over the Shard axes)."""
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    out = []
+    for step in plan(source, target, tuple(shape), itemsize, dtype == "int64"):
+        if isinstance(step, Regather):
+            names, placements = source.mesh.axis_names, source.placements
+            out += [("all_reduce", (n,)) for n, p in zip(names, placements) if p.is_partial()]
+            sharding = tuple(n for n, p in zip(names, placements) if p.is_shard())
+            out += [("all_gather", sharding)] if sharding else []
+        elif step.collective:
+            out.append((step.collective, step.names))
+    return out
+
+
+def job_redistribute(mesh, items) -> list[dict]:
+    """fd.redistribute for each ``(shape, source, target, dtype, seed)``: the result's layout,
+    shards and value, the collectives it ran, the gradient of the input."""
+    out = []
+    for shape, source, target, dtype, seed in items:
+        value = value_of(shape, dtype, seed)
+        x = value.clone().requires_grad_(value.is_floating_point())
+        d = fd.distribute_tensor(x, mesh, relayout(mesh, source))
+        with fd.CommDebugMode() as comm:
+            moved = fd.redistribute(d, relayout(mesh, target))
+        full = moved.full_tensor()
+        grad = None
+        if value.is_floating_point():
+            (grad,) = torch.autograd.grad(full, x, torch.ones_like(full) * 2 - value)
+        out.append(
+            {
+                "layout": (moved.placements, moved.layout.shard_order),
+                "dtype": moved.dtype,
+                "shards": [s.detach() for s in moved.local_shards()],
+                "full": full.detach(),
+                "grad": grad,
+                "events": events(comm),
+            }
+        )
+    return out
+
+
+def check_redistribute(backend, mesh: Mesh, items) -> list:
+    results = backend.run(job_redistribute, mesh.shape, mesh.names, items)
+    sim = job_redistribute(mesh.simulated(), items) if not backend.is_simulated else None
+    for k, (shape, source, target, dtype, seed) in enumerate(items):
+        value = value_of(shape, dtype, seed)
+        answers = [r[k] for r in results]
+        at = f"{source} -> {target} {shape} {dtype} on {mesh}"
+        want_events = expected_events(source, target, shape, dtype)
+        for p, got in enumerate(answers):
+            assert got["layout"] == (target.placements, target.shard_order), at
+            assert got["dtype"] == value.dtype, at
+            if value.is_floating_point():
+                torch.testing.assert_close(
+                    got["full"], value, msg=lambda m, at=f"{at}, process {p}": f"{at}: {m}"
+                )
+                torch.testing.assert_close(got["grad"], torch.ones_like(value) * 2 - value)  # the identity's
+            else:
+                assert torch.equal(got["full"], value), at
+            assert [(op, axes) for op, axes, _ in got["events"]] == want_events, f"{at}: {got['events']}"
+            if sim is not None:  # bytes too, as the simulated backend counts them
+                assert got["events"] == sim[k]["events"], at
+        shards = per_device(answers, "shards")
+        blocks = reduce_partial(shards, mesh.shape, target.placements)
+        spec = spec_of_shards(target)
+        for coordinate, got in blocks.items():
+            want = block(value, mesh.shape, mesh.names, spec, coordinate)
+            torch.testing.assert_close(
+                got, want, msg=lambda m, at=f"{at}: device at {coordinate}": f"{at}: {m}"
+            )
+    return results
+
+
+def items_for(mesh: Mesh, rows) -> list[tuple]:
+    sim = mesh.simulated()
+    out = []
+    for k, (shape, source, target, dtype) in enumerate(rows):
+        as_layout = (
+            (lambda t: fd.Layout.from_spec(sim, t))
+            if isinstance(source, fd.P)
+            else (lambda t: fd.Layout(sim, t))
+        )
+        seed = zlib.crc32(f"{mesh}:{k}".encode()) % 1000
+        out.append((shape, as_layout(source), as_layout(target), dtype, seed))
+    return out
+
+
+ROWS_1D = [
+    ((5, 3), (S(0),), (S(1),), "float64"),
+    ((5, 3), (S(0),), (R,), "float64"),
+    ((4, 2), (R,), (S(0),), "float64"),
+    ((3, 2), (PS,), (S(0),), "float64"),
+    ((3, 2), (Pa("max"),), (R,), "float64"),
+    ((3, 2), (Pa("avg"),), (S(1),), "float32"),
+    ((7,), (S(0),), (R,), "int64"),
+    ((7, 3), (Pa("min"),), (S(0),), "int64"),
+    # the planner's catalogue on even shapes: every step kind
+    ((8, 8), (S(0),), (R,), "float64"),
+    ((8, 8), (S(0),), (S(1),), "float64"),
+    ((8, 8), (PS,), (R,), "float64"),
+    ((8, 8), (PS,), (S(0),), "float64"),
+    ((8, 8), (R,), (S(0),), "float64"),
+    ((8, 8), (S(1),), (R,), "float64"),
+    ((8, 8), (R,), (PS,), "float64"),
+    ((8, 8), (R,), (Pa("max"),), "int64"),
+]
+ROWS_2D = [
+    ((4, 6), (S(0), S(1)), (S(1), S(0)), "float64"),
+    ((5, 3), (S(0), R), (R, S(1)), "float64"),
+    ((6, 2), (S(0), S(0)), (R, R), "float64"),
+    ((3, 4), (PS, S(1)), (S(0), S(1)), "float64"),
+    ((2, 3), (R, Pa("avg")), (S(1), R), "float64"),
+    ((8, 8), (S(0), S(1)), (S(1), S(0)), "float64"),
+    ((8, 8), (S(0), S(1)), (R, R), "float64"),
+    ((8, 8), (PS, PS), (R, R), "float64"),
+    ((8, 8), (S(0), R), (R, S(0)), "float64"),
+    ((8, 8), (S(0), S(0)), (R, R), "float64"),
+    ((8, 8), (PS, S(0)), (S(0), R), "float64"),
+    ((8, 8), (Pa("avg"), S(1)), (S(1), R), "float64"),
+    ((8, 8), (R, S(1)), (S(1), R), "int64"),
+    ((8, 8), (Pa("avg"), Pa("sum")), (S(0), R), "int64"),
+    # a dim's axes in any order
+    ((8, 8), fd.P(("y", "x")), fd.P(("x", "y")), "float64"),
+    ((8, 8), fd.P(("x", "y")), fd.P(("y", "x")), "int64"),
+    ((8, 8), fd.P(("y", "x")), fd.P(None, ("y", "x")), "float64"),
+    ((8, 8), fd.P(("y", "x")), fd.P("x", "y"), "float64"),
+    ((8, 8), fd.P(("y", "x")), fd.P(), "float64"),
+    ((8, 8), fd.P("y"), fd.P(("y", "x")), "float64"),
+    ((7, 5), fd.P(("y", "x")), fd.P(None, ("y", "x")), "float64"),  # uneven: regathered
+    ((6, 4), fd.P(None, ("y", "x")), fd.P("y", "x"), "float32"),
+]
+ROWS_3D = [
+    ((12, 12), fd.P(("z", "y", "x")), fd.P(("x", "y", "z")), "float64"),
+    ((12, 12), fd.P(("z", "x"), "y"), fd.P(("x", "z"), "y"), "float64"),
+    ((12, 12), fd.P(("y", "x"), "z"), fd.P("z", ("x", "y")), "float64"),
+    ((12, 12), fd.P(("z", "x")), fd.P(None, ("y", "z")), "int64"),
+    ((12, 12), (PS, S(0), S(0)), (R, S(1), S(0)), "float64"),
+    ((7, 5), fd.P(("z", "y")), fd.P(None, ("x", "z")), "float64"),
+]
+ROWS = {(2,): ROWS_1D, (4,): ROWS_1D, (2, 2): ROWS_2D, (2, 3, 2): ROWS_3D, (2, 2, 2): ROWS_3D}
+
+
+@pytest.mark.meshes(*ROWS)
+def test_redistribute(backend, mesh):
+    check_redistribute(backend, mesh, items_for(mesh, ROWS[mesh.shape]))
+
+
+@pytest.mark.meshes((2, 2), (2, 4), (2, 3, 2))
+def test_a_reorder_of_one_dims_axes_is_one_ppermute_of_a_block(backend, mesh):
+    """Every reorder of dim 0's axes (dim 1 split by the axes left): one ppermute, each device
+    sending and receiving one block."""
+    items = []
+    for r in range(2, len(mesh.names) + 1):
+        for axes in itertools.combinations(mesh.names, r):
+            rest = tuple(a for a in mesh.names if a not in axes) or None
+            for a, b in itertools.permutations(list(itertools.permutations(axes)), 2):
+                items.append(((2 * mesh.size, mesh.size), fd.P(a, rest), fd.P(b, rest), "float64"))
+    items = items_for(mesh, items)
+    for shape, source, target, _, _ in items:
+        assert [type(s) for s in plan(source, target, shape, 8)] == [Permute]
+    results = check_redistribute(backend, mesh, items)
+    for k, (shape, source, _, _, _) in enumerate(items):
+        one_block = block(
+            torch.zeros(shape), mesh.shape, mesh.names, spec_of_shards(source), (0,) * len(mesh.shape)
+        )
+        for got in results:
+            assert got[k]["events"][0][2] == 8 * one_block.numel()
+
+
+@pytest.mark.meshes((1, 2, 2), (2, 2, 2), (2, 3, 2))
+def test_a_reorder_beside_partial_axes(backend, mesh):
+    """Axes y and z reorder dim 0 while x holds Partial parts: one ppermute of a block, the
+    parts staying on their Partial coordinate (floats and integers, every op)."""
+    sim = mesh.simulated()
+    items = []
+    for k, (op, dtype) in enumerate(itertools.product(["sum", "avg", "max", "min"], ["float64", "int64"])):
+        placements = (Pa(op), S(0), S(0))
+        source = fd.Layout(sim, placements, ((0, (2, 1)),))
+        items.append(((4 * mesh.size, 3), source, fd.Layout(sim, placements), dtype, k))
+    for shape, source, target, dtype, _ in items:
+        assert [type(s) for s in plan(source, target, shape, 8, dtype == "int64")] == [Permute]
+    check_redistribute(backend, mesh, items)
+
+
+@st.composite
+def drawn_items(draw, mesh: Mesh, n: int):
+    sim = mesh.simulated()
+    items = []
+    for k in range(n):
+        shape = draw(fds.global_shapes(min_dims=1, max_dims=3, max_side=6, max_elements=64))
+        source = draw(fds.layouts(sim, len(shape), allow_partial=True))
+        target = draw(fds.layouts(sim, len(shape), allow_partial=True))
+        dtype = draw(st.sampled_from(["float64", "int64"]))
+        items.append((shape, source, target, dtype, k))
+    return items
+
+
+@pytest.mark.meshes((2,), (2, 2), (2, 3, 2))
+@settings(max_examples=5)
+@given(data=st.data())
+def test_drawn_redistributions(backend, mesh, data):
+    check_redistribute(backend, mesh, data.draw(drawn_items(mesh, 6)))
+
+
+# --- integer Partial values: their own full_tensor, in their dtype ------------------------------
+
+
+def integer_shards(mesh_shape, layout: fd.Layout, shape, seed: int) -> list[torch.Tensor]:
+    """Every device's int64 shard: equal along Replicate axes, different along the others."""
+    shards = []
+    local_shapes = shard_table(layout, shape).local_shapes
+    for coordinate, local in zip(coordinates(mesh_shape), local_shapes, strict=True):
+        key = [c for c, p in zip(coordinate, layout.placements, strict=True) if not p.is_replicate()]
+        generator = torch.Generator().manual_seed(zlib.crc32(repr((seed, *key)).encode()))
+        shards.append(torch.randint(-50, 50, local, generator=generator))
+    return shards
+
+
+def job_integer_partial(mesh, items) -> list[dict]:
+    out = []
+    for shape, source, target, shards in items:
+        x = fd.from_local(local_of(mesh, shards), mesh, relayout(mesh, source), shape=shape, run_check=True)
+        y = fd.redistribute(x, relayout(mesh, target))
+        out.append({"dtype": y.dtype, "y": y.full_tensor(), "x": x.full_tensor()})
+    return out
+
+
+INTEGER_PARTIAL = {
+    (2,): [((8,), (Pa("avg"),), (R,)), ((8,), (Pa("avg"),), (S(0),)), ((5,), (Pa("avg"),), (S(0),))],
+    (4,): [((8,), (Pa("avg"),), (R,)), ((8,), (Pa("avg"),), (S(0),))],
+    (2, 2): [
+        ((8,), (Pa("avg"), Pa("avg")), (R, R)),
+        ((8,), (Pa("avg"), Pa("sum")), (R, S(0))),
+        ((8,), (Pa("sum"), Pa("avg")), (S(0), R)),
+        ((8,), (Pa("max"), Pa("avg")), (R, R)),
+        ((8, 4), (Pa("avg"), S(0)), (S(0), R)),
+        ((8, 4), (S(1), Pa("avg")), (R, S(0))),
+        ((6,), (Pa("avg"), Pa("min")), (S(0), S(0))),
+    ],
+}
+
+
+@pytest.mark.meshes(*INTEGER_PARTIAL)
+def test_integer_partial_values_redistribute_to_their_own_full_tensor(backend, mesh):
+    """Regression: an int64 Partial('avg') value must redistribute to its own full_tensor (an
+    integer average rounds down, so the order of the reductions matters), dtype kept."""
+    sim = mesh.simulated()
+    items, wants = [], []
+    for k, (shape, source, target) in enumerate(INTEGER_PARTIAL[mesh.shape]):
+        layout = fd.Layout(sim, source)
+        shards = integer_shards(mesh.shape, layout, shape, seed=k)
+        items.append((shape, layout, fd.Layout(sim, target), shards))
+        # the oracle: reduce the Partial axes in mesh order, then put the blocks together
+        reduced = reduce_partial(shards, mesh.shape, layout.placements)
+        want = torch.zeros(shape, dtype=torch.int64)
+        table = shard_table(layout, shape)
+        for coordinate, part in reduced.items():
+            d = coordinates(mesh.shape).index(coordinate)
+            index = tuple(
+                slice(o, o + n) for o, n in zip(table.offsets[d], table.local_shapes[d], strict=True)
+            )
+            want[index] = part
+        wants.append(want)
+    for p, answers in enumerate(backend.run(job_integer_partial, mesh.shape, mesh.names, items)):
+        for (shape, source, target, _), got, want in zip(items, answers, wants, strict=True):
+            at = f"{source} -> {target} {shape}, process {p}"
+            assert got["dtype"] == torch.int64, at
+            assert torch.equal(got["x"], want), at
+            assert torch.equal(got["y"], want), f"{at}: {got['y']} vs {want}"
+
+
+@st.composite
+def integer_partial_pairs(draw):
+    """An int64 value from arbitrary local shards on a layout with Partial axes (any ops, mixed),
+    and any target layout."""
+    mesh = draw(fds.meshes(max_devices=8))
+    ndim = draw(st.integers(1, 2))
+    shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
+    source = draw(fds.layouts(mesh, ndim, allow_partial=True))
+    target = draw(fds.layouts(mesh, ndim, allow_partial=True))
+    return mesh, shape, source, target, draw(st.integers(0, 2**16))
+
+
+@given(integer_partial_pairs())
+def test_drawn_integer_partial_values_redistribute_to_their_own_full_tensor(case):
+    """Integer averages round down, so the order of reductions matters: every plan reduces as
+    the global value defines it, and keeps the dtype."""
+    mesh, shape, source, target, seed = case
+    shards = integer_shards(mesh.shape, source, shape, seed)
+    x = fd.from_local(shards, mesh, source, shape=shape, run_check=True)
+    y = fd.redistribute(x, target)
+    assert y.dtype == torch.int64
+    assert torch.equal(y.full_tensor(), x.full_tensor())
+
+
+# --- simulated: drawn pairs of layouts ---------------------------------------------------------
 
 
 @st.composite
@@ -29,10 +356,12 @@ def test_same_global_value_and_the_target_blocks(pair):
     y = fd.redistribute(x, target)
     assert y.layout == target and y.shape == x.shape
     torch.testing.assert_close(y.full_tensor(), t)
-    if not target.has_partial:
-        want = fd.distribute_tensor(t, case.mesh, target)
-        for got_shard, want_shard in zip(y.local_shards(), want.local_shards()):
-            torch.testing.assert_close(got_shard, want_shard)
+    mesh = case.mesh
+    blocks = reduce_partial(y.local_shards(), mesh.shape, target.placements)
+    for coordinate, got in blocks.items():
+        torch.testing.assert_close(
+            got, block(t, mesh.shape, mesh.axis_names, spec_of_shards(target), coordinate)
+        )
 
 
 @given(pairs())
@@ -42,29 +371,6 @@ def test_gradient_comes_back_in_the_source_layout(pair):
     y = fd.redistribute(fd.distribute_tensor(t, case.mesh, case.layout), target)
     (g,) = torch.autograd.grad(y.full_tensor().square().sum(), t)
     torch.testing.assert_close(g, 2 * t.detach())
-
-
-def test_method_spec_and_identity():
-    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
-    x = fd.distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, fd.P("x", "y"))
-    assert x.redistribute(fd.P("x", "y")) is x
-    assert x.redistribute([fd.Replicate(), fd.Shard(0)]).layout == fd.Layout.from_spec(mesh, fd.P("y"))
-
-
-def test_partial_source_gets_a_replicate_gradient():
-    mesh = fd.simulated_mesh(2, "x")
-    w = torch.ones(2, 2, requires_grad=True)
-    parts = fd.distribute_tensor(w, mesh, [fd.Partial()])
-    with fd.CommDebugMode() as comm:
-        total = fd.redistribute(parts, fd.P()).full_tensor()
-    assert comm.get_comm_counts() == {"all_reduce": 1}
-    (g,) = torch.autograd.grad(total.sum(), w)
-    torch.testing.assert_close(g, torch.ones(2, 2))
-
-
-def test_not_a_dtensor():
-    with pytest.raises(fd.InputTypeError, match="fd.distribute_tensor"):
-        fd.redistribute(torch.ones(2), fd.P())
 
 
 @st.composite
@@ -88,52 +394,15 @@ def test_planned_steps_give_the_target_blocks_and_count_what_they_run(case):
     assert not any(isinstance(s, Regather) for s in steps)
     with fd.CommDebugMode() as comm:
         y = fd.redistribute(x, target)
-    expected = [event for s in steps for event in _events(s)]
-    assert [(e.op, e.axes) for e in comm.events] == expected
+    assert [(e.op, e.axes) for e in comm.events] == [(s.collective, s.names) for s in steps if s.collective]
     torch.testing.assert_close(y.full_tensor(), t)
-    if not target.has_partial:
-        for got, want in zip(y.local_shards(), fd.distribute_tensor(t, mesh, target).local_shards()):
-            torch.testing.assert_close(got, want)
+    blocks = reduce_partial(y.local_shards(), mesh.shape, target.placements)
+    for coordinate, got in blocks.items():
+        torch.testing.assert_close(
+            got, block(t, mesh.shape, mesh.axis_names, spec_of_shards(target), coordinate)
+        )
     (g,) = torch.autograd.grad(y.full_tensor().square().sum(), t)
     torch.testing.assert_close(g, 2 * t.detach())
-
-
-def _events(step):
-    if not step.collective:
-        return []
-    return [(step.collective, step.names)]
-
-
-S, R, PS = fd.Shard, fd.Replicate(), fd.Partial()
-CATALOGUE = [
-    ((2,), (S(0),), (R,)),
-    ((2,), (S(0),), (S(1),)),
-    ((2,), (PS,), (R,)),
-    ((2,), (PS,), (S(0),)),
-    ((2,), (R,), (S(0),)),
-    ((2,), (S(1),), (R,)),
-    ((4,), (S(0),), (R,)),
-    ((4,), (S(0),), (S(1),)),
-    ((4,), (PS,), (R,)),
-    ((4,), (PS,), (S(0),)),
-    ((4,), (R,), (S(0),)),
-    ((4,), (S(1),), (R,)),
-    ((2, 2), (S(0), S(1)), (S(1), S(0))),
-    ((2, 2), (S(0), S(1)), (R, R)),
-    ((2, 2), (PS, PS), (R, R)),
-    ((2, 2), (S(0), R), (R, S(0))),
-    ((2, 2), (S(0), S(0)), (R, R)),
-    ((2, 2), (PS, S(0)), (S(0), R)),
-]
-
-
-@pytest.mark.parametrize("mesh_shape, source, target", CATALOGUE)
-def test_catalogue_plans_are_at_the_lower_bound_with_one_collective(mesh_shape, source, target):
-    mesh = fd.simulated_mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
-    src, dst = fd.Layout(mesh, source), fd.Layout(mesh, target)
-    steps = plan(src, dst, (2048, 2048), 4)
-    assert sum(step_bytes(s, (2048, 2048), 4) for s in steps) == lower_bound(src, dst, (2048, 2048), 4)
-    assert sum(1 for s in steps if s.collective) <= 1
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 3), (2, 2, 2)])
@@ -144,7 +413,7 @@ def test_catalogue_plans_are_at_the_lower_bound_with_one_collective(mesh_shape, 
         ((S(0), R), (R, S(0)), "ppermute"),
         ((R, S(1)), (S(1), R), "ppermute"),
         ((PS, S(0)), (S(0), R), "reduce+broadcast"),
-        ((fd.Partial("avg"), S(1)), (S(1), R), "reduce+broadcast"),
+        ((Pa("avg"), S(1)), (S(1), R), "reduce+broadcast"),
     ],
 )
 def test_point_to_point_plans(mesh_shape, source, target, collective):
@@ -155,73 +424,43 @@ def test_point_to_point_plans(mesh_shape, source, target, collective):
     x = fd.distribute_tensor(t, mesh, source + extra)
     with fd.CommDebugMode() as comm:
         y = fd.redistribute(x, target + extra)
-    if collective == "ppermute" or mesh_shape[0] == 2:  # over 3 devices, a cheaper plan exists
-        assert [e.op for e in comm.events] == [collective]
+    ops = [e.op for e in comm.events]
+    if collective == "ppermute" or mesh_shape[0] == 2:
+        assert ops == [collective]
+    else:  # over 3 devices a cheaper plan than a reduce to the diagonal exists
+        assert collective not in ops and ops
     torch.testing.assert_close(y.full_tensor(), t)
-    for got, want in zip(y.local_shards(), fd.distribute_tensor(t, mesh, target + extra).local_shards()):
+    for got, want in zip(
+        y.local_shards(), fd.distribute_tensor(t, mesh, target + extra).local_shards(), strict=True
+    ):
         torch.testing.assert_close(got, want)
     (g,) = torch.autograd.grad(y.full_tensor().sum(), t)
     torch.testing.assert_close(g, torch.ones_like(t))
 
 
-def test_plans_are_the_same_in_every_process():
-    """Every rank plans for itself: the plan must not depend on per-process hash seeds."""
-    import os
-    import subprocess
-    import sys
-
-    script = (
-        "import functional_dtensor as fd\n"
-        "from functional_dtensor._plan import plan\n"
-        "mesh = fd.simulated_mesh((2, 2, 2), ('x', 'y', 'z'))\n"
-        "ops = [fd.Partial('sum'), fd.Partial('max'), fd.Partial('avg')]\n"
-        "src, dst = fd.Layout(mesh, tuple(ops)), fd.Layout(mesh, (fd.Replicate(),) * 3)\n"
-        "print([str(s) for s in plan(src, dst, (8, 8), 4)])\n"
-    )
-    outputs = {
-        subprocess.run(
-            [sys.executable, "-c", script],
-            env={**os.environ, "PYTHONHASHSEED": str(seed)},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        for seed in (1, 2)
-    }
-    assert len(outputs) == 1
+# --- the API -----------------------------------------------------------------------------------
 
 
-@given(pairs())
-def test_reported_bytes_are_never_below_the_lower_bound(pair):
-    case, target = pair
-    report = fd.explain_redistribute(case.layout, target, case.global_shape, show=False)
-    assert report.total_bytes >= report.lower_bound
+def test_method_spec_and_identity():
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = fd.distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, fd.P("x", "y"))
+    assert x.redistribute(fd.P("x", "y")) is x
+    assert x.redistribute([fd.Replicate(), fd.Shard(0)]).layout == fd.Layout.from_spec(mesh, fd.P("y"))
+    swapped = x.redistribute(fd.P(("y", "x")))
+    assert str(swapped.layout) == "S(0)[1]S(0)[0]" and swapped.redistribute(fd.P(("y", "x"))) is swapped
 
 
-@st.composite
-def integer_partial_pairs(draw):
-    """An int64 value from arbitrary local shards on a layout with Partial axes (any ops, mixed),
-    and any target layout."""
-    mesh = draw(fds.meshes(max_devices=8))
-    ndim = draw(st.integers(1, 2))
-    shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
-    source = draw(fds.layouts(mesh, ndim, allow_partial=True))
-    target = draw(fds.layouts(mesh, ndim, allow_partial=True))
-    return mesh, shape, source, target, draw(st.integers(0, 2**16))
+def test_partial_source_gets_a_replicate_gradient():
+    mesh = fd.simulated_mesh(2, "x")
+    w = torch.ones(2, 2, requires_grad=True)
+    parts = fd.distribute_tensor(w, mesh, [fd.Partial()])
+    with fd.CommDebugMode() as comm:
+        total = fd.redistribute(parts, fd.P()).full_tensor()
+    assert comm.get_comm_counts() == {"all_reduce": 1}
+    (g,) = torch.autograd.grad(total.sum(), w)
+    torch.testing.assert_close(g, torch.ones(2, 2))
 
 
-@given(integer_partial_pairs())
-def test_integer_partial_values_redistribute_to_their_own_full_tensor(case):
-    """Integer averages round down, so the order of reductions matters: every plan reduces as
-    the global value defines it, and keeps the dtype."""
-    mesh, shape, source, target, seed = case
-    shards = []
-    for device, local in enumerate(shard_table(source, shape).local_shapes):
-        # equal along Replicate axes, different along the others
-        key = [c for c, p in zip(mesh.coordinate(device), source.placements) if not p.is_replicate()]
-        generator = torch.Generator().manual_seed(hash((seed, *key)) % 2**31)
-        shards.append(torch.randint(-50, 50, local, generator=generator))
-    x = fd.from_local(shards, mesh, source, shape=shape, run_check=True)
-    y = fd.redistribute(x, target)
-    assert y.dtype == torch.int64
-    assert torch.equal(y.full_tensor(), x.full_tensor())
+def test_not_a_dtensor():
+    with pytest.raises(fd.InputTypeError, match="fd.distribute_tensor"):
+        fd.redistribute(torch.ones(2), fd.P())

@@ -3,6 +3,7 @@ interesting cases (uneven, empty, nested, partial, 3-d meshes) are actually draw
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -257,8 +258,54 @@ FIND = settings(max_examples=2000, database=None, phases=[Phase.generate])  # no
         ),
         ("every partial op", lambda c: {p.op for p in c.placements if p.is_partial()} >= {"sum", "max"}),
         ("axes not in alphabetical order", lambda c: list(c.mesh.axis_names) != sorted(c.mesh.axis_names)),
+        ("a dim's axes out of mesh order", lambda c: c.layout.shard_order != ()),
+        (
+            "out of mesh order, with a Partial axis",
+            lambda c: c.layout.shard_order != () and c.layout.has_partial,
+        ),
     ],
 )
 def test_interesting_cases_are_drawn(what, condition):
     case = find(fds.sharded_cases(allow_partial=True), condition, settings=FIND)
     assert condition(case), what
+
+
+def _out_of_mesh_order(mesh, spec) -> bool:
+    for entry in spec:
+        if isinstance(entry, tuple) and list(entry) != sorted(entry, key=mesh.axis_names.index):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_specs_draw_a_dims_axes_in_any_order(ndim):
+    """specs() draws tuples out of mesh order (JAX's meaning: major first), and in mesh order."""
+    mesh = fd.simulated_mesh((2, 2, 2), ("x", "y", "z"))
+    seen = set()
+    for order in find_all(
+        fds.specs(mesh, ndim), lambda s: any(isinstance(e, tuple) and len(e) == 3 for e in s)
+    ):
+        seen.add(order)
+    assert seen == {"".join(p) for p in itertools.permutations("xyz")}, seen
+    spec = find(fds.specs(mesh, ndim), lambda s: _out_of_mesh_order(mesh, s), settings=FIND)
+    assert _out_of_mesh_order(mesh, spec)
+    spec = find(
+        fds.specs(mesh, ndim),
+        lambda s: any(isinstance(e, tuple) for e in s) and not _out_of_mesh_order(mesh, s),
+        settings=FIND,
+    )
+    assert not _out_of_mesh_order(mesh, spec)
+
+
+def find_all(strategy, condition, n: int = 300) -> set[str]:
+    """The orders of three-axis entries among ``n`` drawn values that meet ``condition``."""
+    found: set[str] = set()
+
+    @settings(max_examples=n, database=None, phases=[Phase.generate])
+    @given(strategy)
+    def collect(spec):
+        if condition(spec):
+            found.update("".join(e) for e in spec if isinstance(e, tuple) and len(e) == 3)
+
+    collect()
+    return found
