@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from backends import Mesh, block, coordinates, events, group_of, index_along, per_device
+from common import check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -457,16 +458,6 @@ ERROR_MESH = fd.simulated_mesh((2, 2), ("x", "y"))
 
 def mapped(f, in_specs=fd.P("x"), out_specs=fd.P("x"), **kw):
     return fd.shard_map(f, mesh=ERROR_MESH, in_specs=in_specs, out_specs=out_specs, **kw)
-
-
-def check(error, builtin, call, *fragments):
-    with pytest.raises(error) as info:
-        call()
-    assert isinstance(info.value, builtin) and isinstance(info.value, fd.FunctionalDTensorError)
-    message = str(info.value)
-    assert "Fix:" in message and "expected" in message and "got" in message
-    for fragment in fragments:
-        assert fragment in message, message
 
 
 def test_collective_outside_shard_map_is_an_unbound_axis():

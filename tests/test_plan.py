@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from backends import all_specs, block, coordinates
+from common import even_pairs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,18 +25,6 @@ S, R, PS = fd.Shard, fd.Replicate(), fd.Partial()
 
 def cost(steps, shape, itemsize: int = 4) -> int:
     return sum(step_bytes(s, shape, itemsize) for s in steps)
-
-
-@st.composite
-def even_pairs(draw):
-    """Meshes up to 8 devices, 1-3 dims of sizes multiple of the mesh size: every layout splits
-    evenly, so the planner (not the fallback) runs. Any order of a dim's axes, Partial axes."""
-    mesh = draw(fds.meshes(max_devices=8))
-    ndim = draw(st.integers(1, 3))
-    shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
-    source = draw(fds.layouts(mesh, ndim, allow_partial=True))
-    target = draw(fds.layouts(mesh, ndim, allow_partial=True))
-    return mesh, shape, source, target
 
 
 @given(even_pairs(), st.booleans())

@@ -22,6 +22,7 @@ from backends import (
     relayout,
     spec_of_shards,
 )
+from common import even_pairs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -371,18 +372,6 @@ def test_gradient_comes_back_in_the_source_layout(pair):
     y = fd.redistribute(fd.distribute_tensor(t, case.mesh, case.layout), target)
     (g,) = torch.autograd.grad(y.full_tensor().square().sum(), t)
     torch.testing.assert_close(g, 2 * t.detach())
-
-
-@st.composite
-def even_pairs(draw):
-    """Meshes up to 8 devices, 1-3 dims of sizes multiple of the mesh size: every layout splits
-    evenly, so the planner (not the fallback) runs."""
-    mesh = draw(fds.meshes(max_devices=8))
-    ndim = draw(st.integers(1, 3))
-    shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
-    source = draw(fds.layouts(mesh, ndim, allow_partial=True))
-    target = draw(fds.layouts(mesh, ndim, allow_partial=True))
-    return mesh, shape, source, target
 
 
 @given(even_pairs())

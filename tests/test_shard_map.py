@@ -13,6 +13,7 @@ import pytest
 import torch
 from backends import all_specs, block, coordinates, events, per_device
 from catalogue import cases, global_inputs
+from common import check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -279,16 +280,6 @@ MESH = fd.simulated_mesh((2, 2), ("x", "y"))
 
 def mapped(f=lambda *a: a[0], in_specs=fd.P("x"), out_specs=fd.P("x"), **kw):
     return fd.shard_map(f, mesh=MESH, in_specs=in_specs, out_specs=out_specs, **kw)
-
-
-def check(error, builtin, call, *fragments):
-    with pytest.raises(error) as info:
-        call()
-    assert isinstance(info.value, builtin) and isinstance(info.value, fd.FunctionalDTensorError)
-    message = str(info.value)
-    assert "Fix:" in message and "expected" in message and "got" in message
-    for fragment in fragments:
-        assert fragment in message, message
 
 
 def test_spec_longer_than_rank_names_the_path():
