@@ -115,6 +115,9 @@ class DTensor:
             )
         raise AttributeError(f"'fd.DTensor' object has no attribute {name!r}")
 
+    def __copy__(self) -> DTensor:
+        return self  # immutable: a shallow copy is the value itself
+
     def __getstate__(self) -> dict:
         """What pickle, ``copy.deepcopy`` and ``torch.save`` keep: the layout, the global shape
         and the shards this process holds (see :meth:`Backend.saved`)."""

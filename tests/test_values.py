@@ -250,6 +250,7 @@ def test_dtensor_has_no_in_place_methods():
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         x.nonsense  # noqa: B018
     assert torch.equal(x.full_tensor(), torch.arange(4.0))
+    assert copy.copy(x) is x  # immutable, as a tuple
 
 
 # ---------------------------------------------------------------------------------------------
