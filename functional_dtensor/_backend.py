@@ -38,9 +38,9 @@ from ._sharding import shard_table
 from ._simulated import engine as simulated_engine
 from ._simulated import kernels as simulated_kernels
 from ._simulated import storage as simulated_storage
-from ._simulated.functorch import current_level
+from ._simulated.functorch import current_level, is_transformed, memory_of
 
-__all__ = ["Backend", "backend_of", "current_level"]
+__all__ = ["Backend", "backend_of", "current_level", "is_transformed", "memory_of"]
 
 
 class Backend:
@@ -122,9 +122,10 @@ class Backend:
 
     # --- storage ----------------------------------------------------------------------------
 
-    def distribute(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """The storage of the global ``tensor`` laid out by ``layout`` (no communication)."""
-        return self._storage.distribute(tensor, layout)
+    def distribute(self, tensor: torch.Tensor, layout: Layout, *, copy: bool = False) -> torch.Tensor:
+        """The storage of the global ``tensor`` laid out by ``layout`` (no communication;
+        ``copy``: sharing no memory with ``tensor``)."""
+        return self._storage.distribute(tensor, layout, copy=copy)
 
     def gather(self, storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
         """The global value of ``storage`` (on the distributed backend, gathered from every
@@ -159,10 +160,12 @@ class Backend:
         """The shards this process holds, unpadded, in flat mesh order."""
         return self._storage.shards(storage, layout, shape)
 
-    def from_local(self, shards, layout: Layout, shape: tuple[int, ...], *, run_check: bool, where: str):
+    def from_local(
+        self, shards, layout: Layout, shape: tuple[int, ...], *, run_check: bool, copy: bool, where: str
+    ):
         """Storage from local shards, checked against the layout (``run_check``: and equal along
-        the Replicate axes)."""
-        storage = self._storage.from_local(shards, layout, shape, where=where)
+        the Replicate axes; ``copy``: sharing no memory with them)."""
+        storage = self._storage.from_local(shards, layout, shape, copy=copy, where=where)
         differing = self._storage.differing_replicas(storage, layout) if run_check else []
         if differing:
             raise LayoutError(
@@ -175,6 +178,16 @@ class Backend:
                 )
             )
         return storage
+
+    def saved(self, storage: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, int | None]:
+        """What a saved value keeps of ``storage``: the shards this process holds (detached),
+        and the device they belong to (None where they are every device's)."""
+        return self._storage.saved(storage, layout)
+
+    def restored(self, storage: torch.Tensor, layout: Layout, shape: tuple[int, ...], device: int | None):
+        """The storage of a loaded value, checked against the layout and this process (a
+        distributed value loads on the device that saved it, in a world of the same size)."""
+        return self._storage.restored(storage, layout, shape, device)
 
     def materialize(self, layout: Layout, shape: tuple[int, ...], make_blocks) -> torch.Tensor:
         """A factory's storage from ``make_blocks(block_shape, shard)``: the padded blocks of

@@ -6,6 +6,12 @@ backend this rank's shard), read and written through the backend only. Everythin
 computes on it is a pure function returning a new value: :func:`shard_map`,
 :func:`redistribute`.
 
+A value owns its memory: :func:`distribute_tensor` and :func:`from_local` copy what they would
+otherwise share with the caller's tensor (``copy=False`` opts out), and it has no in-place
+methods. It saves and loads with ``pickle``, ``copy.deepcopy`` and ``torch.save``/``torch.load``
+(``weights_only=True`` too: importing the package registers its classes with
+``torch.serialization.add_safe_globals``); a distributed value saves this rank's shard.
+
 >>> import torch, functional_dtensor as fd
 >>> mesh = fd.simulated_mesh(4, "x")
 >>> x = fd.distribute_tensor(torch.arange(10.0), mesh, fd.P("x"))
@@ -25,13 +31,14 @@ from collections.abc import Sequence
 import torch
 
 from . import _autograd as autograd
-from ._backend import backend_of
-from ._errors import InputTypeError, ShapeError, explain
+from ._backend import backend_of, is_transformed
+from ._errors import ImmutableError, InputTypeError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec, as_layout
 from ._mesh import DeviceMesh
-from ._placements import Placement, Replicate
+from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
 from ._sharding import global_shape_of_even_local
+from ._spec import P
 
 __all__ = [
     "DTensor",
@@ -65,7 +72,80 @@ class DTensor:
         object.__setattr__(self, "_shape", torch.Size(shape))
 
     def __setattr__(self, name, value):
-        raise AttributeError(f"fd.DTensor is immutable: cannot set {name!r}; build a new value instead")
+        raise ImmutableError(
+            explain(
+                f"fd.DTensor.{name}",
+                "an fd.DTensor is immutable",
+                expected="no attribute set on it",
+                got=f"an assignment to {name!r}",
+                fix="build a new value instead",
+            )
+        )
+
+    def __setitem__(self, index, value):
+        raise ImmutableError(
+            explain(
+                "fd.DTensor.__setitem__",
+                "an fd.DTensor is immutable",
+                expected="no element assigned",
+                got=f"x[{index!r}] = ...",
+                fix="compute the new value out of place (torch.where, or index_put without the _), "
+                "or inside fd.shard_map on a tensor of your own",
+            )
+        )
+
+    def __getattr__(self, name: str):
+        """Only reached for names a DTensor does not have: an in-place method gets an error
+        that names its out-of-place form."""
+        if name.endswith("_") and not name.endswith("__") and hasattr(torch.Tensor, name):
+            out_of_place = name[:-1]
+            fix = (
+                f"use the out-of-place form, y = x.{out_of_place}(...), which returns a new value"
+                if callable(getattr(torch.Tensor, out_of_place, None))
+                else "build a new value instead"
+            )
+            raise ImmutableError(
+                explain(
+                    f"fd.DTensor.{name}",
+                    "an fd.DTensor has no in-place methods",
+                    expected="an out-of-place operation",
+                    got=f"x.{name}(...)",
+                    fix=fix,
+                )
+            )
+        raise AttributeError(f"'fd.DTensor' object has no attribute {name!r}")
+
+    def __copy__(self) -> DTensor:
+        return self  # immutable: a shallow copy is the value itself
+
+    def __getstate__(self) -> dict:
+        """What pickle, ``copy.deepcopy`` and ``torch.save`` keep: the layout, the global shape
+        and the shards this process holds (see :meth:`Backend.saved`)."""
+        if is_transformed(self._storage) or torch.compiler.is_compiling():
+            raise InputTypeError(
+                explain(
+                    "fd.DTensor (saving)",
+                    "a value inside a torch.func transform or torch.compile exists only while it runs",
+                    expected="a value outside every transform",
+                    got=repr(self),
+                    fix="save the value the transformed function returns, outside the transform",
+                )
+            )
+        storage, device = backend_of(self.device_mesh).saved(self._storage, self._layout)
+        return {
+            "layout": self._layout,
+            "shape": tuple(self._shape),
+            "storage": storage,
+            "requires_grad": self._storage.requires_grad,
+            "device": device,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        layout, shape = state["layout"], tuple(state["shape"])
+        storage = backend_of(layout.mesh).restored(state["storage"], layout, shape, state["device"])
+        object.__setattr__(self, "_storage", storage.requires_grad_(state["requires_grad"]))
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_shape", torch.Size(shape))
 
     @property
     def shape(self) -> torch.Size:
@@ -91,7 +171,8 @@ class DTensor:
     def grad(self) -> DTensor | None:
         """The gradient accumulated on this value's storage by ``backward()``, laid out like the
         value (Partial axes as Replicate), or ``None``. Storage is a leaf when the value was
-        made by a factory with ``requires_grad=True`` or by :func:`from_local` of leaves."""
+        made by a factory with ``requires_grad=True`` or loaded with it; a value made from
+        tensors (:func:`distribute_tensor`, :func:`from_local`) passes gradients to them."""
         grad = self._storage.grad
         return None if grad is None else DTensor(grad, without_partial(self._layout), self._shape)
 
@@ -145,14 +226,14 @@ def storage_of(x: DTensor) -> torch.Tensor:
     return x._storage
 
 
-def distribute_storage(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The storage of the global ``tensor``, differentiably. Where storage and value are views
-    of each other, their own backward reassembles the cotangent; every other case goes
-    through :class:`_Distribute`."""
+def distribute_storage(tensor: torch.Tensor, layout: Layout, *, copy: bool = False) -> torch.Tensor:
+    """The storage of the global ``tensor``, differentiably (``copy``: sharing no memory with
+    it). Where storage and value are views of each other, their own backward reassembles the
+    cotangent; every other case goes through :class:`_Distribute`."""
     backend = backend_of(layout.mesh)
     if backend.splits_as_views(layout, tuple(tensor.shape)):
-        return backend.distribute(tensor, layout)
-    return autograd.apply(_Distribute, tensor, layout)
+        return backend.distribute(tensor, layout, copy=copy)
+    return autograd.apply(_Distribute, tensor, layout, copy)
 
 
 def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
@@ -182,13 +263,13 @@ class _Distribute(torch.autograd.Function):
     gradient)."""
 
     @staticmethod
-    def forward(tensor, layout):
-        return backend_of(layout.mesh).distribute(tensor, layout)
+    def forward(tensor, layout, copy):
+        return backend_of(layout.mesh).distribute(tensor, layout, copy=copy)
 
     @staticmethod
-    def vmap(info, in_dims, tensor, layout):
+    def vmap(info, in_dims, tensor, layout, copy):
         # a mapped batch becomes one more trailing dim of the value, whole on every device
-        return autograd.apply(_Distribute, tensor.movedim(in_dims[0], -1), layout), -1
+        return autograd.apply(_Distribute, tensor.movedim(in_dims[0], -1), layout, copy), -1
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -196,7 +277,7 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_FullTensor, g, without_partial(ctx.layout), ctx.shape), None
+        return autograd.apply(_FullTensor, g, without_partial(ctx.layout), ctx.shape), None, None
 
 
 class _FullTensor(torch.autograd.Function):
@@ -218,7 +299,7 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_Distribute, g, without_partial(ctx.layout)), None, None
+        return autograd.apply(_Distribute, g, without_partial(ctx.layout), False), None, None
 
 
 def _check_tensor(value, where: str) -> torch.Tensor:
@@ -256,11 +337,19 @@ def layout_for(mesh, placements: PlacementsOrSpec, ndim: int, api: str) -> Layou
     return layout.normalized(ndim, where=api)
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: PlacementsOrSpec) -> DTensor:
+def distribute_tensor(
+    tensor: torch.Tensor, device_mesh: DeviceMesh, placements: PlacementsOrSpec, *, copy: bool = True
+) -> DTensor:
     """Lay out the global ``tensor`` on ``device_mesh`` (differentiable in ``tensor``).
 
     ``placements`` is one placement per mesh axis, or an ``fd.P`` spec. A Partial placement
     splits the value into parts that reduce back to it (as DTensor).
+
+    The value shares no memory with ``tensor``: changing ``tensor`` in place later leaves it
+    as it is. Where the layout lets shards be views of ``tensor`` (an even split; a replicated
+    value, held once on the simulated backend), that takes a copy; ``copy=False`` skips it
+    when you hand over a tensor you will not modify again (the value may then share its
+    memory).
     """
     api = "fd.distribute_tensor"
     if isinstance(tensor, DTensor):
@@ -275,7 +364,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         )
     tensor = _check_tensor(tensor, f"{api}(tensor)")
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
-    storage = distribute_storage(tensor.to(layout.mesh.device_type), layout)
+    moved = tensor.to(layout.mesh.device_type)
+    storage = distribute_storage(moved, layout, copy=copy and moved is tensor)
     return DTensor(storage, layout, tensor.shape)
 
 
@@ -286,6 +376,7 @@ def from_local(
     *,
     shape: Sequence[int] | None = None,
     run_check: bool = False,
+    copy: bool = True,
 ) -> DTensor:
     """A global value from local shards, as DTensor's ``from_local``.
 
@@ -294,6 +385,11 @@ def from_local(
     rank would pass in an SPMD program). Without ``shape`` the split is taken to be even; give
     ``shape`` for uneven layouts. ``run_check`` verifies that the shards agree with the layout
     (shapes, and equal values across Replicate axes).
+
+    The value shares no memory with the local tensors given (differentiably: gradients flow
+    back to them); ``copy=False`` skips that copy where the backend can hold a given tensor as
+    it is (this rank's shard; one tensor every simulated device holds), for a tensor you will
+    not modify again.
     """
     api = "fd.from_local"
     mesh = check_mesh(device_mesh, f"{api}(device_mesh)")
@@ -326,5 +422,9 @@ def from_local(
                 fix="give the global shape of the value the shards make up",
             )
         )
-    storage = backend_of(mesh).from_local(shards, layout, shape, run_check=run_check, where=api)
+    storage = backend_of(mesh).from_local(shards, layout, shape, run_check=run_check, copy=copy, where=api)
     return DTensor(storage, layout, shape)
+
+
+# what a saved value holds, loadable with torch.load(weights_only=True)
+torch.serialization.add_safe_globals([DTensor, DeviceMesh, Layout, P, Shard, Replicate, Partial])

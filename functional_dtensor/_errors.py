@@ -18,6 +18,7 @@ __all__ = [
     "InputTypeError",
     "AxisNameError",
     "CommunicationError",
+    "ImmutableError",
     "explain",
 ]
 
@@ -60,6 +61,13 @@ class AxisNameError(FunctionalDTensorError, NameError):
 @public
 class CommunicationError(FunctionalDTensorError, RuntimeError):
     """A collective failed or timed out on the distributed backend (a dead or stuck rank)."""
+
+
+@public
+class ImmutableError(FunctionalDTensorError, RuntimeError, AttributeError):
+    """A value would be changed in place: an ``fd.DTensor`` (which has no in-place methods) or
+    an input of a ``shard_map``'d function (inputs are values). Also an ``AttributeError``, as
+    the answer to looking up an in-place method such as ``x.add_``."""
 
 
 def explain(where: str, what: str, *, expected: str, got: str, fix: str) -> str:

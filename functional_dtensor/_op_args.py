@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tensors_of", "replace_inputs"]
+__all__ = ["tensors_of", "replace_inputs", "written_tensors"]
 
 
 def tensors_of(args, kwargs) -> list[torch.Tensor]:
@@ -38,3 +38,27 @@ def replace_inputs(func, args, kwargs, replace):
     in_place = func in _IN_PLACE
     args = tuple([a if in_place and i == 0 else each(a) for i, a in enumerate(args)])
     return args, ({k: each(v) for k, v in kwargs.items()} if kwargs else kwargs)
+
+
+# in-place by name (``mul_``, ``torch.relu_``, ``nn.init.normal_``), except these, which change
+# no element
+_KEEPS_VALUES = frozenset({"requires_grad_", "share_memory_", "pin_memory_"})
+
+
+def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors a torch op writes in place: the first tensor argument of an in-place op
+    (``x.mul_(2)``, ``x += 1``, ``x[i] = v``, ``F.relu(x, inplace=True)``) and its ``out=``."""
+    name = getattr(func, "__name__", "")
+    written = []
+    if (
+        (name.endswith("_") and not name.endswith("__") and name not in _KEEPS_VALUES)
+        or name == "__setitem__"
+        or (kwargs and kwargs.get("inplace") is True)
+    ):
+        written += tensors_of(args, kwargs)[:1]
+    out = kwargs.get("out") if kwargs else None
+    if isinstance(out, torch.Tensor):
+        written.append(out)
+    elif isinstance(out, (tuple, list)):
+        written += [t for t in out if isinstance(t, torch.Tensor)]
+    return written

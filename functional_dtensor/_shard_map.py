@@ -25,15 +25,17 @@ from typing import Any, TypeAlias, overload
 
 import optree
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _autograd as autograd
-from ._backend import backend_of
+from ._backend import backend_of, memory_of
 from ._collectives import AllReduce, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import DTensor, check_mesh, distribute_storage, gather_storage, storage_of
-from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
+from ._errors import FunctionalDTensorError, ImmutableError, InputTypeError, MeshError, SpecError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
+from ._op_args import written_tensors
 from ._placements import Shard
 from ._sharding import check_divisible, global_shape_of_even_local
 from ._spec import P
@@ -219,6 +221,8 @@ def _run(m: _Mapping, args):
                     for v, axes in zip(local_leaves, plan.axes)
                 ]
             local_args = treedef.unflatten(local_leaves)
+            if not compiling:
+                mode = _InputGuard(mode, m.f, inputs, plan.paths)
             if mode is None:
                 outputs = m.f(*local_args)
             else:
@@ -234,11 +238,15 @@ def _run(m: _Mapping, args):
 
     results, batched = m.backend.run_per_device(per_device, m.mesh.size, in_dims, inputs)
     layouts, tree = exits
+    callers = () if compiling else _callers_memory(leaves, plan)
     values = []
     for storage, is_batched, layout in zip(results, batched, layouts):
         if layout is None:
             values.append(storage)
-        elif not is_batched:  # the same on every device, held once
+            continue
+        if callers and memory_of(storage) in callers:  # an input returned as it is, or a view of one
+            storage = storage.clone()
+        if not is_batched:  # the same on every device, held once
             values.append(DTensor(distribute_storage(storage, layout), layout, storage.shape))
         else:
             shape = _global_shape(layout, m.backend.block_shape(storage))
@@ -296,6 +304,62 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
     if not check_rep and not layout.is_fully_sharded:
         storage = autograd.apply(_SumOverReplicas, storage, layout)
     return storage, True
+
+
+def _callers_memory(leaves, plan: _Plan) -> frozenset[int]:
+    """The memory of the tensor arguments: the caller's, which an output must not share (an
+    ``fd.DTensor`` argument is immutable: an output may share its memory)."""
+    found = frozenset(
+        [
+            memory_of(v)
+            for v, spec in zip(leaves, plan.specs)
+            if spec is not None and isinstance(v, torch.Tensor)
+        ]
+    )
+    return found - {0}
+
+
+class _InputGuard(TorchFunctionMode):
+    """The torch-function mode of one call of the per-device function: ``mode``'s (the
+    replication tracker's or the backend's; None: ops run as they are), refusing first every op
+    that would write into one of the function's inputs (see :func:`check_inputs_not_written`).
+    One mode, not two stacked: every op of the function pays for one dispatch."""
+
+    def __init__(self, mode, f, inputs, paths) -> None:
+        super().__init__()
+        self.mode, self.f, self.inputs, self.paths = mode, f, inputs, paths
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        check_inputs_not_written(func, args, kwargs, self.f, self.inputs, self.paths)
+        if self.mode is None:
+            return func(*args, **kwargs)
+        return self.mode.__torch_function__(func, types, args, kwargs)
+
+
+def check_inputs_not_written(func, args, kwargs, f, inputs, paths) -> None:
+    """Refuse the torch op ``func(*args, **kwargs)`` of ``f``'s per-device function if it writes
+    in place into one of the function's ``inputs`` or a view of one, before it runs. Inputs are
+    values (JAX semantics): their memory is the caller's tensor or ``fd.DTensor`` on the
+    distributed backend, and every device's block at once on the simulated one."""
+    written = written_tensors(func, args, kwargs)
+    if not written:
+        return
+    memory = {memory_of(t) for t in written} - {0}
+    for value, path in zip(inputs, paths):
+        if isinstance(value, torch.Tensor) and memory_of(value) in memory:
+            name = getattr(func, "__name__", str(func))
+            out_of_place = name[:-1] if name.endswith("_") and not name.endswith("__") else None
+            raise ImmutableError(
+                explain(
+                    f"fd.shard_map({getattr(f, '__qualname__', 'f')})({path})",
+                    f"the per-device function writes into its input in place ({name})",
+                    expected="inputs used as values, computed on out of place",
+                    got=f"{name} on the input or a view of it",
+                    fix=(f"write x = x.{out_of_place}(...)" if out_of_place else "compute a new tensor")
+                    + ", or clone the input first (x = x.clone()) to own a copy",
+                )
+            )
 
 
 def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:

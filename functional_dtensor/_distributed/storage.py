@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import _blocks as blocks
-from .._errors import InputTypeError, ShapeError, explain
+from .._errors import InputTypeError, MeshError, ShapeError, explain
 from .._layout import Layout
 from .._placements import Partial, Shard
 from .._sharding import shard_table
@@ -20,6 +21,8 @@ __all__ = [
     "differing_replicas",
     "materialize",
     "splits_as_views",
+    "saved",
+    "restored",
 ]
 
 
@@ -32,12 +35,13 @@ def _partitioned(block: torch.Tensor, layout: Layout) -> torch.Tensor:
     return block
 
 
-def distribute(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """This rank's block of the global ``tensor`` (a slice; Partial axes partitioned)."""
+def distribute(tensor: torch.Tensor, layout: Layout, *, copy: bool = False) -> torch.Tensor:
+    """This rank's block of the global ``tensor`` (a slice, or a copy of it with ``copy``;
+    Partial axes partitioned)."""
     table = shard_table(layout, tuple(tensor.shape))
     k = runtime.device_index(layout.mesh)
     block = tensor[tuple([slice(o, o + s) for o, s in zip(table.offsets[k], table.local_shapes[k])])]
-    return _partitioned(block, layout)
+    return _partitioned(block.clone() if copy else block, layout)
 
 
 def gather(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
@@ -85,8 +89,8 @@ def shards(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -
     return (local,)
 
 
-def from_local(shards, layout: Layout, global_shape, *, where: str) -> torch.Tensor:
-    """This rank's shard, checked against the layout."""
+def from_local(shards, layout: Layout, global_shape, *, copy: bool, where: str) -> torch.Tensor:
+    """This rank's shard, checked against the layout (a copy of it, with ``copy``)."""
     if len(shards) != 1:
         raise InputTypeError(
             explain(
@@ -109,7 +113,7 @@ def from_local(shards, layout: Layout, global_shape, *, where: str) -> torch.Ten
                 fix="pass shape= with the true global shape, or a shard of the right size",
             )
         )
-    return local
+    return local.clone() if copy else local
 
 
 def differing_replicas(local: torch.Tensor, layout: Layout) -> list[str]:
@@ -141,3 +145,50 @@ def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> t
     table = shard_table(layout, tuple(global_shape))
     block = make_blocks(table.padded_shape, index)
     return _partitioned(blocks.unpad(block, table.local_shapes[runtime.device_index(mesh)]), layout)
+
+
+def saved(local: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, int]:
+    """This rank's shard (detached) and its device: each rank saves its own."""
+    return local.detach(), runtime.device_index(layout.mesh)
+
+
+def restored(local, layout: Layout, global_shape: tuple[int, ...], device: int) -> torch.Tensor:
+    """This rank's saved shard, loaded by the device that saved it in a world of the size it was
+    saved in: resharding to another world size goes through the global value."""
+    mesh = layout.mesh
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if world != len(mesh.device_ids):
+        raise MeshError(
+            explain(
+                "fd.DTensor (loading)",
+                f"a distributed value saved by device {device} of a {len(mesh.device_ids)}-rank world",
+                expected=f"a torch.distributed world of {len(mesh.device_ids)} ranks",
+                got="no process group" if world is None else f"{world} ranks",
+                fix=f"load each rank's file under torchrun with {len(mesh.device_ids)} ranks; to change "
+                "the world size, reshard through the global value (save x.full_tensor(), then "
+                "fd.distribute_tensor it on the new mesh) or with torch.distributed.checkpoint",
+            )
+        )
+    here = runtime.device_index(mesh)
+    expected = shard_table(layout, tuple(global_shape)).local_shapes[here]
+    if device != here:
+        raise MeshError(
+            explain(
+                "fd.DTensor (loading)",
+                f"the file holds device {device}'s shard",
+                expected=f"the file this rank (device {here}) saved",
+                got=f"device {device}'s",
+                fix="load on every rank the file that rank saved",
+            )
+        )
+    if not isinstance(local, torch.Tensor) or tuple(local.shape) != tuple(expected):
+        raise ShapeError(
+            explain(
+                "fd.DTensor (loading)",
+                "the saved shard does not fit the saved layout",
+                expected=f"local shape {tuple(expected)}",
+                got=repr(getattr(local, "shape", local)),
+                fix="load a file written by pickle or torch.save of an fd.DTensor, unchanged",
+            )
+        )
+    return local

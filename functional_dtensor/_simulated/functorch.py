@@ -30,6 +30,8 @@ __all__ = [
     "current_level",
     "level_of",
     "batched_at",
+    "memory_of",
+    "is_transformed",
     "add_batch_dim",
     "unwrap_batched",
     "below_current_level",
@@ -62,6 +64,22 @@ def batched_at(x: torch.Tensor, level: int) -> bool:
             return False
         x = get_unwrapped(x)
     return False
+
+
+def memory_of(x: torch.Tensor) -> int:
+    """The address of the memory that holds ``x``'s elements, looking through every functorch
+    wrapper (a view shares its base's); 0 for a tensor without memory of its own."""
+    while is_functorch_wrapped_tensor(x):
+        x = get_unwrapped(x)
+    try:
+        return x.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass or a fake tensor
+        return 0
+
+
+def is_transformed(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a ``torch.func`` transform's wrapper (valid only while it runs)."""
+    return is_functorch_wrapped_tensor(x)
 
 
 def add_batch_dim(x: torch.Tensor, dim: int, level: int) -> torch.Tensor:

@@ -32,12 +32,17 @@ __all__ = [
     "differing_replicas",
     "materialize",
     "splits_as_views",
+    "saved",
+    "restored",
 ]
 
 
-def distribute(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Every device's shard of the global ``tensor``, stacked: ``(n, *padded_shape)``."""
+def distribute(tensor: torch.Tensor, layout: Layout, *, copy: bool = False) -> torch.Tensor:
+    """Every device's shard of the global ``tensor``, stacked: ``(n, *padded_shape)``. An even
+    split is views of ``tensor`` (of a copy of it, with ``copy``); an uneven one is a copy."""
     shape = tuple(tensor.shape)
+    if copy and shard_table(layout, shape).is_even:
+        tensor = tensor.clone()
     steps = _distribute_steps(layout, shape)
     if steps is not None:
         return _run_steps(tensor, steps)
@@ -172,9 +177,10 @@ def _device_index(mesh, device) -> int:
     )
 
 
-def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, where: str):
-    """Storage from every device's shard (a list in flat mesh order) or from one shard that
-    every device holds (what each rank passes in an SPMD program)."""
+def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, copy: bool, where: str):
+    """Storage from every device's shard (a list in flat mesh order: stacked, a copy) or from
+    one shard that every device holds (what each rank passes in an SPMD program: held once, a
+    copy of it with ``copy``)."""
     mesh = layout.mesh
     table = shard_table(layout, global_shape)
     shards = [t.to(mesh.device_type) for t in shards]
@@ -190,7 +196,8 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, where: 
                     fix="pass each device's shard in a list",
                 )
             )
-        storage = shards[0].unsqueeze(0).expand(mesh.size, *shards[0].shape)
+        held = shards[0].clone() if copy else shards[0]
+        storage = held.unsqueeze(0).expand(mesh.size, *held.shape)
     elif len(shards) == mesh.size:
         for k, (t, expected) in enumerate(zip(shards, table.local_shapes)):
             _check_shape(t.shape, expected, k, where, global_shape)
@@ -241,4 +248,25 @@ def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> t
     storage = blocks.partition_partial(grid, layout).reshape(mesh.size, *padded)
     if not shard_table(layout, global_shape).is_even:
         storage = storage * blocks.valid_mask(layout, global_shape, str(storage.device))
+    return storage
+
+
+def saved(storage: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, None]:
+    """Every device's shard (a value held once stays held once): the storage, detached."""
+    return storage.detach(), None
+
+
+def restored(storage, layout: Layout, global_shape: tuple[int, ...], device) -> torch.Tensor:
+    """The storage of a loaded value, checked to hold every device's padded block."""
+    expected = (layout.mesh.size, *shard_table(layout, global_shape).padded_shape)
+    if not isinstance(storage, torch.Tensor) or tuple(storage.shape) != expected or device is not None:
+        raise ShapeError(
+            explain(
+                "fd.DTensor (loading)",
+                "the saved shards do not fit the saved layout",
+                expected=f"stacked blocks of shape {expected}",
+                got=repr(getattr(storage, "shape", storage)),
+                fix="load a file written by pickle or torch.save of an fd.DTensor, unchanged",
+            )
+        )
     return storage
