@@ -28,6 +28,7 @@ import torch
 
 from . import _autograd as autograd
 from ._backend import backend_of
+from ._cache import cached
 from ._collectives import AllReduce, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import DTensor, check_mesh, distribute_storage, gather_storage, storage_of
@@ -252,7 +253,7 @@ def _run(m: _Mapping, args):
     return tree.unflatten(values)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def _global_shape(layout: Layout, block_shape: tuple[int, ...]) -> tuple[int, ...]:
     return global_shape_of_even_local(layout, block_shape)
 
