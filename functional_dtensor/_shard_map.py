@@ -264,10 +264,12 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
     every device once, a replicated argument enters as one value."""
     mesh, backend, check_rep = m.mesh, m.backend, m.check_rep
     if isinstance(value, DTensor):
-        key = (value.layout, value.shape)
-        layout = plan.layouts[i].get(key)
+        key = None if torch.compiler.is_compiling() else (value.layout, value.shape)  # (unhashable there)
+        layout = None if key is None else plan.layouts[i].get(key)
         if layout is None:
-            layout = plan.layouts[i][key] = _checked_layout(mesh, plan, i, value.layout, value.shape)
+            layout = _checked_layout(mesh, plan, i, value.layout, value.shape)
+            if key is not None:
+                plan.layouts[i][key] = layout
         storage = storage_of(value)
         if layout.is_replicated and backend.holds_replicas_once:
             return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
