@@ -156,6 +156,40 @@ def test_compiled_function_of_dtensors(backend, mesh):
             close(g, w, "compiled shard")
 
 
+def job_shapes(mesh) -> dict:
+    """A compiled function called on three sizes of the sharded dim (the third call compiles
+    a graph with a dynamic size): outputs, and bytes counted per call, eager and compiled."""
+    torch._dynamo.reset()
+    f = fd.shard_map(
+        lambda x: fd.all_gather(torch.sin(x), "x", axis=0, tiled=True),
+        mesh=mesh,
+        in_specs=fd.P("x"),
+        out_specs=fd.P(),
+        check_rep=False,
+    )
+
+    def step(x):
+        return f(x).full_tensor()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    found: dict = {"eager": [], "compiled": []}
+    for rows in (4, 8, 12):
+        x = torch.arange(rows * 3.0).reshape(rows, 3)
+        for run, fn in (("eager", step), ("compiled", compiled)):
+            with fd.CommDebugMode() as comm:
+                out = fn(x)
+            found[run].append((out, events(comm)))
+    return found
+
+
+@pytest.mark.meshes((2,))
+def test_compiled_with_changing_shapes_counts_the_bytes_of_each_call(backend, mesh):
+    for got in backend.run(job_shapes, mesh.shape, mesh.names, timeout=300):
+        for rows, (compiled, eager) in zip((4, 8, 12), zip(got["compiled"], got["eager"], strict=True)):
+            close(compiled[0], torch.sin(torch.arange(rows * 3.0).reshape(rows, 3)), f"{rows} rows")
+            assert compiled[1] == eager[1] == [("all_gather", ("x",), rows // 2 * 3 * 4)]
+
+
 def job_redistribute(mesh, source, target) -> dict:
     """fd.redistribute of a distributed tensor, eager and compiled: the global value, the
     gradient of the source and the collectives of forward and backward."""
