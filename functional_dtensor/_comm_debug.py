@@ -29,7 +29,8 @@ class CommDebugMode:
     includes backward passes). Bytes are per device: what each device contributes.
 
     A compiled function's collectives are counted when its graph runs, every call, as eager
-    ones are; their module is the innermost one running around the compiled code (modules
+    ones are (its first call under a ``CommDebugMode`` compiles a variant of its graph that
+    records); their module is the innermost one running around the compiled code (modules
     traced into the graph run no hooks; the compiler's own wrappers are not named)."""
 
     def __init__(self) -> None:

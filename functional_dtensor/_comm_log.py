@@ -7,7 +7,10 @@ active.
 A collective traced by ``torch.compile`` reports when the compiled graph runs, not when it is
 traced: :func:`record` then puts the op ``functional_dtensor::record_communication`` into the
 graph, an ordered side effect that the compiler keeps, in forward and backward graphs alike,
-and that records if a recorder is active when it runs.
+and that records if a recorder is active when it runs. It does so only while some recorder is
+active, in any thread: Dynamo guards the graph on that flag, so a compiled function first
+called under a recorder compiles a variant that records, and outside any recorder its graph
+carries no op and costs nothing.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def record(op: str, axes: tuple[str, ...], nbytes: int) -> None:
     """Record ``op`` over mesh ``axes`` moving ``nbytes`` per device (while compiling: when
     the compiled graph runs)."""
     if torch.compiler.is_compiling():
-        _record_when_run(op, _SEPARATOR.join(axes), nbytes)
+        if _recording_anywhere:
+            _record_when_run(op, _SEPARATOR.join(axes), nbytes)
         return
     recorders = _recorders()
     if recorders:
@@ -67,11 +71,25 @@ class recording:
 
     def __enter__(self):
         _recorders().append(self.events)
+        _count_open(1)
         return self
 
     def __exit__(self, *exc):
         _recorders().remove(self.events)
+        _count_open(-1)
         return False
+
+
+_open = 0  # recorders active in all threads
+_recording_anywhere = False  # _open > 0: a global, so that Dynamo guards the graphs it traces on it
+_open_lock = threading.Lock()
+
+
+def _count_open(change: int) -> None:
+    global _open, _recording_anywhere
+    with _open_lock:
+        _open += change
+        _recording_anywhere = _open > 0
 
 
 def set_module(name: str | None) -> str | None:

@@ -23,8 +23,9 @@ def job_compiled(
     mesh, axes, name: str, check_rep: bool, fullgraph: bool, compiler: str = "aot_eager"
 ) -> dict:
     """One catalogue case, eager and compiled: the global output, the gradients of the global
-    inputs for a fixed cotangent, the collectives of forward and backward (twice compiled: the
-    second call runs the graph without tracing it), and the warnings compiling gave. A compile
+    inputs for a fixed cotangent, the collectives of forward and backward (compiled: called
+    once outside any CommDebugMode, then twice inside, the second call running the graph
+    without tracing it), and the warnings compiling gave. A compile
     error is returned, not raised: every process fails alike while tracing, before any
     collective runs."""
     torch._dynamo.reset()
@@ -52,7 +53,9 @@ def job_compiled(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            first = run(compiled)
+            traced_unrecorded = compiled(*[t.requires_grad_() for t in global_inputs(case)])
+            traced_unrecorded.sum().backward()  # a graph traced with no recorder: it records nothing
+            first = run(compiled)  # a recorder: a variant of the graph that records
             second = run(compiled)
         except Exception:
             return {"error": traceback.format_exc()}
