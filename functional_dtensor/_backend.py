@@ -70,14 +70,14 @@ class Backend:
 
     def count(self, op: str, axes: tuple[str, ...], x: torch.Tensor) -> None:
         """Record ``op`` over mesh ``axes`` on the storage-form value ``x`` (the bytes each
-        device contributes)."""
-        if comm_log.active() and not torch.compiler.is_compiling():
+        device contributes; while compiling, recorded when the compiled graph runs)."""
+        if torch.compiler.is_compiling() or comm_log.active():
             devices = x.shape[0] if self.stacked and x.dim() else 1
             comm_log.record(op, axes, x.numel() // max(devices, 1) * x.element_size())
 
     def count_bytes(self, op: str, axes: tuple[str, ...], nbytes: int) -> None:
         """Record ``op`` over mesh ``axes`` moving ``nbytes`` per device."""
-        if comm_log.active() and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or comm_log.active():
             comm_log.record(op, axes, nbytes)
 
     # --- kernels, on storage ----------------------------------------------------------------
@@ -136,7 +136,7 @@ class Backend:
         """The storage in ``target`` of a value stored in ``source``, through the global value:
         the padded blocks reduced over each Partial axis and gathered over the Shard axes (as
         the distributed backend runs it; counted so on either backend)."""
-        if comm_log.active() and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or comm_log.active():
             mesh = source.mesh
             nbytes = math.prod(shard_table(source, shape).padded_shape) * storage.element_size()
             for name, placement in zip(mesh.axis_names, source.placements):

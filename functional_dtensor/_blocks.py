@@ -15,10 +15,9 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
+from ._cache import cached
 from ._layout import Layout
 from ._placements import Partial, Shard
 from ._sharding import shard_table
@@ -100,7 +99,7 @@ def partition_partial(grid: torch.Tensor, layout: Layout) -> torch.Tensor:
     return grid
 
 
-@lru_cache(maxsize=256)
+@cached(256)
 def _first_along(axis: int, size: int, ndim: int, device: str) -> torch.Tensor:
     first = torch.zeros(size, dtype=torch.bool, device=device)
     first[0] = True
@@ -161,7 +160,7 @@ def assemble(grid: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) 
     return out[tuple(slice(0, s) for s in global_shape)]
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def split_recipe(layout: Layout, local_shape: tuple[int, ...]):
     """The view ops that cut an evenly split tensor into its grid: each dim viewed as its
     splitting axes (major first) and its block, the axes moved to the front in mesh order, the
@@ -179,7 +178,7 @@ def split_recipe(layout: Layout, local_shape: tuple[int, ...]):
     return tuple(view), order, (*sizes, *local_shape), (*mesh.shape, *local_shape)
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def merge_recipe(layout: Layout, local_shape: tuple[int, ...], ndim: int):
     """The inverse of :func:`split_recipe` on a grid whose non-Shard axes have size 1:
     ``(view, order)``, then a reshape to the global shape."""
@@ -191,7 +190,7 @@ def merge_recipe(layout: Layout, local_shape: tuple[int, ...], ndim: int):
     return (*[layout.mesh.shape[a] for a in sharding], *local_shape), tuple(order)
 
 
-@lru_cache(maxsize=256)
+@cached(256)
 def _index_tables(layout: Layout, global_shape: tuple[int, ...], devices: tuple[int, ...], device: str):
     """Per-dim gather indices ``(len(devices), padded)`` into the global tensor padded by one
     slot per dim (the slot at index ``size`` stands for padding)."""
@@ -218,7 +217,7 @@ def distinct_shards(layout: Layout, global_shape: tuple[int, ...]) -> tuple[tupl
     return sizes, shard_table(layout, global_shape).padded_shape
 
 
-@lru_cache(maxsize=256)
+@cached(256)
 def valid_mask(layout: Layout, global_shape: tuple[int, ...], device: str) -> torch.Tensor:
     """``(n, *padded)``: True where a device's padded shard holds real data."""
     table = shard_table(layout, global_shape)

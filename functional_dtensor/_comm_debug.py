@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from . import _comm_log as comm_log
 from ._public import public
@@ -25,7 +26,12 @@ __all__ = ["CommDebugMode"]
 class CommDebugMode:
     """Context manager counting collectives per op and per module (the innermost
     ``torch.nn.Module`` running when the collective was issued; ``None`` outside any, which
-    includes backward passes). Bytes are per device: what each device contributes."""
+    includes backward passes). Bytes are per device: what each device contributes.
+
+    A compiled function's collectives are counted when its graph runs, every call, as eager
+    ones are (its first call under a ``CommDebugMode`` compiles a variant of its graph that
+    records); their module is the innermost one running around the compiled code (modules
+    traced into the graph run no hooks; the compiler's own wrappers are not named)."""
 
     def __init__(self) -> None:
         self._recording = comm_log.recording()
@@ -88,10 +94,18 @@ class CommDebugMode:
         return False
 
     def _enter_module(self, module, args):
+        if isinstance(module, _COMPILER_MODULES):
+            return
         self._modules.append(type(module).__name__)
         comm_log.set_module(".".join(self._modules))
 
     def _leave_module(self, module, args, output):
+        if isinstance(module, _COMPILER_MODULES):
+            return
         if self._modules:
             self._modules.pop()
         comm_log.set_module(".".join(self._modules) or None)
+
+
+#: the modules ``torch.compile`` wraps a user's code in: a compiled module, a traced graph
+_COMPILER_MODULES = (OptimizedModule, torch.fx.GraphModule)

@@ -25,13 +25,13 @@ True
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from . import _autograd as autograd
 from ._backend import backend_of, is_transformed
+from ._cache import cached
 from ._errors import ImmutableError, InputTypeError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec, as_layout
 from ._mesh import DeviceMesh
@@ -244,7 +244,7 @@ def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]
     return autograd.apply(_FullTensor, storage, layout, shape)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def without_partial(layout: Layout) -> Layout:
     """``layout`` with its Partial axes Replicate: the layout of a gradient (as DTensor)."""
     if not layout.has_partial:

@@ -47,8 +47,8 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
+from ._cache import cached
 from ._layout import Layout
 from ._placements import Partial, Placement, Replicate, Shard
 from ._sharding import shard_table
@@ -363,7 +363,7 @@ def _even(shape, orders: Orders, mesh) -> bool:
     return all(size % math.prod([mesh.shape[a] for a in order]) == 0 for size, order in zip(shape, orders))
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def plan(
     source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool = False
 ) -> tuple[Step, ...]:
@@ -424,7 +424,7 @@ def _block_of(layout: Layout, device: int, ndim: int) -> tuple[int, ...]:
     return (*block, *parts)
 
 
-@lru_cache(maxsize=256)
+@cached(256)
 def permutation_pairs(source: Layout, target: Layout) -> tuple[tuple[int, int], ...]:
     """``(src, dst)`` flat device pairs that move ``source``'s blocks to ``target``'s (layouts
     that cut the value into the same blocks): each device sends its block once and receives its

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _autograd as autograd
 from ._backend import backend_of, memory_of
+from ._cache import cached
 from ._collectives import AllReduce, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import DTensor, check_mesh, distribute_storage, gather_storage, storage_of
@@ -260,7 +261,7 @@ def _run(m: _Mapping, args):
     return tree.unflatten(values)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def _global_shape(layout: Layout, block_shape: tuple[int, ...]) -> tuple[int, ...]:
     return global_shape_of_even_local(layout, block_shape)
 
@@ -271,10 +272,12 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
     every device once, a replicated argument enters as one value."""
     mesh, backend, check_rep = m.mesh, m.backend, m.check_rep
     if isinstance(value, DTensor):
-        key = (value.layout, value.shape)
-        layout = plan.layouts[i].get(key)
+        key = None if torch.compiler.is_compiling() else (value.layout, value.shape)  # (unhashable there)
+        layout = None if key is None else plan.layouts[i].get(key)
         if layout is None:
-            layout = plan.layouts[i][key] = _checked_layout(mesh, plan, i, value.layout, value.shape)
+            layout = _checked_layout(mesh, plan, i, value.layout, value.shape)
+            if key is not None:
+                plan.layouts[i][key] = layout
         storage = storage_of(value)
         if layout.is_replicated and backend.holds_replicas_once:
             return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False

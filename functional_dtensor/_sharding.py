@@ -13,9 +13,9 @@ per-device loop once per (layout, shape), never per op.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import NamedTuple
 
+from ._cache import cached
 from ._errors import ShapeError, explain
 from ._layout import Layout
 
@@ -46,7 +46,7 @@ class ShardTable(NamedTuple):
         return "\n".join(rows)
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def shard_table(layout: Layout, global_shape: tuple[int, ...]) -> ShardTable:
     """Local shapes and global offsets of every device's shard (offset of an empty shard:
     the dim's size, as torch's ``compute_local_shape_and_global_offset``)."""
@@ -76,7 +76,7 @@ def global_shape_of_even_local(layout: Layout, local_shape: tuple[int, ...]) -> 
     )
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def check_divisible(layout: Layout, global_shape: tuple[int, ...], *, where: str) -> None:
     """Raise unless every sharded dim splits evenly (``shard_map``'s requirement)."""
     for dim, size in enumerate(global_shape):

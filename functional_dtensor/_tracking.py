@@ -61,12 +61,11 @@ class ReplicationTracker(TorchFunctionMode):
         self.all_axes = frozenset(frame.mesh.axis_names)
         self.level = frame.level  # the functorch level the per-device function runs at
         self.run_op = frame.backend.run_op
-        self.compiling = torch.compiler.is_compiling()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if not self.compiling and current_level() != self.level:
+        if current_level() != self.level:
             raise FunctionalDTensorError(
                 explain(
                     "fd.shard_map(check_rep=True)",

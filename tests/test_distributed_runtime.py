@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 import traceback
-import warnings
 
 import pytest
 import torch
@@ -142,7 +141,6 @@ def job_compile(backend: str, name: str, axes=("x",), shape=(2,)) -> dict:
     """Eager vs ``torch.compile(fullgraph=True)`` of a catalogue case, forward and backward. A
     compile error is returned, not raised: every rank fails alike while tracing, before any
     collective runs, so the pool stays usable."""
-    warnings.filterwarnings("ignore", message=".*lru_cache.*")
     torch._dynamo.reset()
     mesh = _gloo_mesh(shape, ("x", "y")[: len(shape)])
     case = pick(mesh, axes, name)

@@ -11,7 +11,6 @@ use, by every rank alike) and reused.
 from __future__ import annotations
 
 import datetime
-import functools
 import math
 import os
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .._cache import cached
 from .._errors import MeshError, explain
 from .._mesh import DeviceMesh
 
@@ -124,7 +124,7 @@ def group_ids(mesh: DeviceMesh) -> tuple[int, ...]:
     return _group_ids(mesh, dist.get_rank())
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _group_ids(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
     for ids in mesh.groups:
         if rank in ids:
@@ -151,7 +151,7 @@ def coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     return _coordinate(mesh, dist.get_rank())
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
     return mesh.coordinate(_group_ids(mesh, rank).index(rank))
 

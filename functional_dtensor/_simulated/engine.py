@@ -12,12 +12,13 @@ vmap over the stacked device dim.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from .. import _autograd as autograd
+from .._cache import cached
+from .._errors import FunctionalDTensorError, explain
 from .._op_args import replace_inputs, tensors_of
 from .._varying import axes_varying
 from . import kernels
@@ -29,7 +30,7 @@ from .functorch import (
     current_level,
     level_of,
     over_devices,
-    unwrap_batched,
+    remove_batch_dim,
 )
 
 __all__ = [
@@ -104,11 +105,12 @@ def on_devices(x: torch.Tensor, frame) -> torch.Tensor:
             stacked = below_current_level(autograd.apply, _Replicate, x, mesh.shape, summed)
         return add_batch_dim(stacked, 0, level)
     # under a transform of the user's inside the per-device function: the same, with ops
+    _refuse_while_compiling()
     first = _first_copies(mesh, summed, str(x.device))
     return torch.where(add_batch_dim(first, 0, level), x, x.detach())
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _first_copies(mesh, summed: tuple[int, ...], device: str) -> torch.Tensor:
     """``(n,)``: True for the devices at coordinate 0 along every axis not in ``summed``."""
     return torch.tensor(
@@ -137,11 +139,26 @@ def apply(op, x: torch.Tensor) -> torch.Tensor:
                 return below_current_level(apply_to_storage, unbatched, x)
         x = on_devices(x, frame)
         if direct and level_of(x) == level:
-            value, batch_dim = unwrap_batched(x, level)
             op = op.held_once()
-            out = below_current_level(apply_to_storage, op, value.movedim(batch_dim, 0))
+            out = below_current_level(apply_to_storage, op, remove_batch_dim(x, level, frame.mesh.size))
             return add_batch_dim(out, 0, level) if op.keeps_device_dim else out
+        _refuse_while_compiling()
         return autograd.apply(autograd.Collective, x, op, False)
+
+
+def _refuse_while_compiling() -> None:
+    """A collective under a ``torch.func`` transform inside the per-device function runs by
+    the transform's vmap rules, which ``torch.compile`` cannot trace on a simulated mesh."""
+    if torch.compiler.is_compiling():
+        raise FunctionalDTensorError(
+            explain(
+                "torch.compile of fd.shard_map on a simulated mesh",
+                "a collective runs under a torch.func transform inside the per-device function",
+                expected="torch.func transforms applied to the shard_map'd function, not inside it",
+                got="a collective under torch.func.grad/vmap/jvp within the per-device function",
+                fix="apply the transform outside fd.shard_map, or run this function uncompiled",
+            )
+        )
 
 
 def axis_index(frame, axes: tuple[str, ...]) -> torch.Tensor:
@@ -177,6 +194,6 @@ def leave(value, replicated: bool, frame):
     output that is the same on every device (``check_rep``) stays one value."""
     if not isinstance(value, torch.Tensor):
         return value
-    if frame.check_rep and replicated and not torch.compiler.is_compiling():
+    if frame.check_rep and replicated:
         return value
     return on_devices(value, frame)

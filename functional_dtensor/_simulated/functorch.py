@@ -4,6 +4,13 @@ that moves them touches this file alone).
 The simulated backend runs a per-device function under a vmap over the devices; a *level* is
 functorch's number for one transform in progress (the device vmap, or a user's own
 ``torch.func`` transform), counted from 1 outward in.
+
+While ``torch.compile`` traces, each function takes the calls Dynamo can trace: the device vmap
+is entered by ``vmap_increment_nesting`` with functorch's predispatch wrappers, the current level
+is the depth of the transform stack (levels count its layers; Dynamo folds the depth to a
+constant), and a tensor is at the current level if it is batched at all: the device vmap is the
+innermost transform wherever the engine asks, since it refuses collectives under a user's
+transform inside the per-device function while compiling.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from torch._C._functorch import (
     _unwrap_batched,
     _vmap_decrement_nesting,
     _vmap_increment_nesting,
+    get_dynamic_layer_stack_depth,
     get_unwrapped,
     is_batchedtensor,
     is_functorch_wrapped_tensor,
@@ -23,7 +31,9 @@ from torch._C._functorch import (
     pop_dynamic_layer_stack,
     push_dynamic_layer_stack,
 )
-from torch._functorch.vmap import lazy_load_decompositions
+from torch._functorch import predispatch
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch._functorch.vmap import lazy_load_decompositions, vmap_increment_nesting
 
 __all__ = [
     "transforms_active",
@@ -34,6 +44,7 @@ __all__ = [
     "is_transformed",
     "add_batch_dim",
     "unwrap_batched",
+    "remove_batch_dim",
     "below_current_level",
     "over_devices",
 ]
@@ -46,16 +57,22 @@ def transforms_active() -> bool:
 
 def current_level() -> int | None:
     """The level of the innermost transform in progress (None outside any)."""
+    if torch.compiler.is_compiling():  # levels count the layers: Dynamo folds the depth
+        return get_dynamic_layer_stack_depth() or None
     return maybe_current_level()
 
 
 def level_of(x: torch.Tensor) -> int:
     """The level of the outermost transform that wraps ``x`` (-1 for a plain tensor)."""
+    if torch.compiler.is_compiling():
+        return get_dynamic_layer_stack_depth() if is_batchedtensor(x) else -1
     return maybe_get_level(x)
 
 
 def batched_at(x: torch.Tensor, level: int) -> bool:
     """Whether ``x`` is batched by the vmap at ``level`` (looking through inner wrappers)."""
+    if torch.compiler.is_compiling():
+        return is_batchedtensor(x)
     while is_functorch_wrapped_tensor(x):
         current = maybe_get_level(x)
         if current == level:
@@ -84,6 +101,8 @@ def is_transformed(x: torch.Tensor) -> bool:
 
 def add_batch_dim(x: torch.Tensor, dim: int, level: int) -> torch.Tensor:
     """``x`` seen from inside the vmap at ``level``, batched over its dim ``dim``."""
+    if torch.compiler.is_compiling():  # the wrapper Dynamo puts in the graph
+        return predispatch._add_batch_dim(x, dim, level)
     return _add_batch_dim(x, dim, level)
 
 
@@ -92,8 +111,18 @@ def unwrap_batched(x: torch.Tensor, level: int) -> tuple[torch.Tensor, int | Non
     return _unwrap_batched(x, level)
 
 
+def remove_batch_dim(x: torch.Tensor, level: int, size: int) -> torch.Tensor:
+    """The tensor below the vmap at ``level`` (of ``size``), batched over its dim 0."""
+    if torch.compiler.is_compiling():  # the wrapper Dynamo puts in the graph
+        return predispatch._remove_batch_dim(x, level, size, 0)
+    return _remove_batch_dim(x, level, size, 0)
+
+
 def below_current_level(fn, *args):
     """``fn(*args)`` with the innermost transform popped: run on the values below it."""
+    if torch.compiler.is_compiling():
+        with retrieve_current_functorch_interpreter().lower():
+            return fn(*args)
     saved = pop_dynamic_layer_stack()
     try:
         return fn(*args)
@@ -107,29 +136,23 @@ def over_devices(per_device, size: int, in_dims, inputs):
     handling is pure overhead). ``per_device`` receives the vmap's level first. Outputs not
     batched over the devices come back as they are; returns the outputs and whether each was
     batched."""
-    if torch.compiler.is_compiling():
-        outputs = torch.func.vmap(
-            lambda *a: per_device(maybe_current_level(), *a), in_dims=in_dims, randomness="different"
-        )(*inputs)
-        return outputs, [True] * len(outputs)
-    if not _decompositions_loaded:
-        _load_decompositions()
+    if torch.compiler.is_compiling():  # the context manager Dynamo traces
+        with vmap_increment_nesting(size, "different") as level:
+            return _at_level(level, per_device, size, in_dims, inputs)
     level = _vmap_increment_nesting(size, "different")
     try:
-        outputs = per_device(
-            level, *[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
-        )
-        batched = [v is not None and maybe_get_level(v) == level for v in outputs]
-        return [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)], batched
+        return _at_level(level, per_device, size, in_dims, inputs)
     finally:
         _vmap_decrement_nesting()
 
 
-_decompositions_loaded = False
+def _at_level(level: int, per_device, size: int, in_dims, inputs):
+    """The body of :func:`over_devices`, inside the vmap at ``level``."""
+    outputs = per_device(
+        level, *[v if d is None else add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
+    )
+    batched = [v is not None and level_of(v) == level for v in outputs]
+    return [remove_batch_dim(v, level, size) if b else v for v, b in zip(outputs, batched)], batched
 
 
-def _load_decompositions() -> None:
-    """The Python decompositions vmap needs for some ops, registered once (as vmap does)."""
-    global _decompositions_loaded
-    lazy_load_decompositions()
-    _decompositions_loaded = True
+lazy_load_decompositions()  # the Python decompositions vmap needs for some ops (as vmap loads them)

@@ -10,11 +10,11 @@ indexes a device within its group (major axis first, in the order the axes are g
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
 from .. import _blocks as blocks
+from .._cache import cached
 from .._mesh import DeviceMesh
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def _grouping(mesh: DeviceMesh, axes: tuple[str, ...]):
     """The mesh axes reordered as (the others, ``axes`` in the order given), and the sizes of
     the two groups: ``(order, rest, group)``."""
@@ -118,7 +118,7 @@ def permute(
     return _from_groups(padded.index_select(1, index), mesh, order)
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def _sources(perm: tuple[tuple[int, int], ...], size: int, device: str) -> torch.Tensor:
     """For each device of a group, where its value comes from (``size``: nowhere, zeros)."""
     source = [size] * size
@@ -132,7 +132,7 @@ def axis_index(mesh: DeviceMesh, axes: tuple[str, ...], device: str) -> torch.Te
     return _axis_index(mesh, axes, str(device)).clone()
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def _axis_index(mesh: DeviceMesh, axes: tuple[str, ...], device: str) -> torch.Tensor:
     index = torch.zeros(mesh.shape, dtype=torch.long, device=device)
     for axis in axes:

@@ -13,11 +13,10 @@ layouts go through the block grid of :mod:`.._blocks`.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from .. import _blocks as blocks
+from .._cache import cached
 from .._errors import InputTypeError, ShapeError, explain
 from .._layout import Layout
 from .._placements import Replicate, Shard
@@ -96,7 +95,7 @@ def _steps(shape: tuple[int, ...], ops) -> tuple:
     return tuple(steps)
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def _distribute_steps(layout: Layout, shape: tuple[int, ...]):
     """The view ops from an evenly split global value without Partial axes to its storage
     (None for the other layouts), computed once per layout and shape."""
@@ -113,7 +112,7 @@ def _distribute_steps(layout: Layout, shape: tuple[int, ...]):
     return _steps(shape, [*ops, (torch.Tensor.reshape, (n, *local))])
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def _gather_steps(layout: Layout, shape: tuple[int, ...]):
     """The view ops from the storage of an evenly split value without Partial axes to the
     global value, replicas read from coordinate 0 (None for the other layouts)."""
