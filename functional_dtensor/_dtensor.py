@@ -198,6 +198,10 @@ class _Distribute(torch.autograd.Function):
     def backward(ctx, g):
         return autograd.apply(_FullTensor, g, without_partial(ctx.layout), ctx.shape), None
 
+    @staticmethod
+    def jvp(ctx, t, _layout):
+        return autograd.apply(_Distribute, t, ctx.layout)
+
 
 class _FullTensor(torch.autograd.Function):
     """Storage -> global tensor. Backward: every device gets its block of the (replicated)
@@ -214,11 +218,15 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.layout = inputs[1]
+        ctx.layout, ctx.shape = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, g):
         return autograd.apply(_Distribute, g, without_partial(ctx.layout)), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _layout, _shape):
+        return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
 
 
 def _check_tensor(value, where: str) -> torch.Tensor:
