@@ -213,3 +213,48 @@ def test_representative_programs_on_both_backends(backend, mesh):
         assert got.keys() == wants.keys()
         for key, want in wants.items():
             compare(got[key], want, f"process {p} on {mesh}: {key}")
+
+
+def job_transforms_inside_and_around(mesh) -> dict:
+    """``check_rep=False``: the gradient of a sharded input through a ``torch.func.vmap`` inside
+    the per-device function, and ``torch.func.grad`` (and grad of grad) of a value captured
+    from around it."""
+    x = torch.arange(8.0, dtype=torch.float64).reshape(2, 4) / 8
+    inner = fd.shard_map(
+        lambda cols: torch.func.vmap(lambda row: fd.psum((row**3).sum(), "x"))(cols),
+        mesh=mesh,
+        in_specs=fd.P(None, "x"),
+        out_specs=fd.P(),
+        check_rep=False,
+    )
+    x_leaf = x.clone().requires_grad_()
+    (through_vmap,) = torch.autograd.grad(inner(x_leaf).full_tensor().sum(), x_leaf)
+
+    def around(s):
+        scaled = fd.shard_map(
+            lambda rows: rows * s, mesh=mesh, in_specs=fd.P("x"), out_specs=fd.P("x"), check_rep=False
+        )
+        return loss(scaled(x.reshape(8)).full_tensor())
+
+    s = torch.tensor(0.7, dtype=torch.float64)
+    return {
+        "through vmap": through_vmap,
+        "grad": torch.func.grad(around)(s),
+        "grad of grad": torch.func.grad(torch.func.grad(around))(s),
+    }
+
+
+@pytest.mark.meshes((2,), (4,))
+def test_transforms_inside_and_around_the_function_unchecked(backend, mesh):
+    x = torch.arange(8.0, dtype=torch.float64).reshape(2, 4) / 8
+    s = torch.tensor(0.7, dtype=torch.float64)
+    want = {
+        "through vmap": 3 * x**2,
+        "grad": torch.func.grad(lambda s: loss(x * s))(s),
+        "grad of grad": torch.func.grad(torch.func.grad(lambda s: loss(x * s)))(s),
+    }
+    for p, got in enumerate(backend.run(job_transforms_inside_and_around, mesh.shape, mesh.names)):
+        for key, value in want.items():
+            torch.testing.assert_close(
+                got[key], value, msg=lambda m, key=key, p=p: f"process {p}, {key}: {m}"
+            )

@@ -26,9 +26,10 @@ def run_per_device(per_device, size: int, in_dims, inputs):
     """``per_device(level, None, *inputs)`` on this rank (``level``: that of the innermost
     transform in progress; no vmap over devices); every output is this rank's own. The mapped
     inputs (``in_dims`` not None) are the function's own values, the others captured."""
-    _calls.append(_Call([v for v, d in zip(inputs, in_dims) if d is not None]))
+    level = current_level()
+    _calls.append(_Call([v for v, d in zip(inputs, in_dims) if d is not None], level))
     try:
-        outputs = per_device(current_level(), None, *inputs)
+        outputs = per_device(level, None, *inputs)
     finally:
         _calls.pop()
     return outputs, [True] * len(outputs)
@@ -36,17 +37,26 @@ def run_per_device(per_device, size: int, in_dims, inputs):
 
 class _Call:
     """One call of a per-device function: the tensors that are its own values (its inputs, the
-    results of its ops and collectives), and the captured tensors routed so far."""
+    results of its ops and collectives), the captured tensors routed so far, and the level of
+    the innermost ``torch.func`` transform around the call (-1: none)."""
 
-    __slots__ = ("own", "routed")
+    __slots__ = ("own", "routed", "level")
 
-    def __init__(self, inputs) -> None:
+    def __init__(self, inputs, level: int | None) -> None:
         self.own: dict[int, torch.Tensor] = {id(v): v for v in inputs if isinstance(v, torch.Tensor)}
-        self.routed: dict[int, torch.Tensor] = {}
+        self.routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.level = -1 if level is None else level
 
     def captured(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is a captured value that may be differentiated."""
-        return id(t) in self.routed or (id(t) not in self.own and (t.requires_grad or level_of(t) != -1))
+        """Whether ``t`` is a captured value that may be differentiated: not the function's own,
+        and requiring grad, or wrapped by a transform around the call (a value wrapped by a
+        transform inside the call is the function's own)."""
+        if id(t) in self.routed:
+            return True
+        if id(t) in self.own:
+            return False
+        level = level_of(t)
+        return t.requires_grad if level == -1 else level <= self.level
 
     def add(self, out) -> None:
         """Record an op's results as the function's own (held, so that no id is reused)."""
