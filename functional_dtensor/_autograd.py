@@ -21,14 +21,33 @@ from torch.autograd import forward_ad
 
 from ._simulated.functorch import current_level, transforms_active
 
-__all__ = ["apply", "Collective", "differentiated"]
+__all__ = ["apply", "compilable", "Collective", "differentiated"]
 
 
 def apply(function: type[torch.autograd.Function], *args):
-    """``function.apply(*args)``, skipping the signature binding where it is not needed."""
-    if torch.compiler.is_compiling() or transforms_active():
+    """``function.apply(*args)``, skipping the signature binding where it is not needed; with its
+    forward-mode rule (see :func:`compilable`) except while compiling."""
+    if torch.compiler.is_compiling():
+        return function.apply(*args)
+    function = function.with_jvp
+    if transforms_active():
         return function.apply(*args)
     return super(torch.autograd.Function, function).apply(*args)
+
+
+def compilable(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Class decorator of an autograd function with a forward-mode rule (``jvp``): Dynamo does
+    not trace such functions, so the rule moves to a twin, ``function.with_jvp``, which
+    :func:`apply` runs except while compiling (a compiled graph is differentiated in reverse
+    mode)."""
+    jvp = function.__dict__["jvp"]
+    del function.jvp
+    function.with_jvp = type(
+        function.__name__,
+        (function,),
+        {"jvp": jvp, "__module__": function.__module__, "__qualname__": function.__qualname__},
+    )
+    return function
 
 
 def differentiated(x: torch.Tensor) -> bool:
@@ -42,6 +61,7 @@ def differentiated(x: torch.Tensor) -> bool:
     )
 
 
+@compilable
 class Collective(torch.autograd.Function):
     """Run the collective ``op`` on ``x``; ``stacked``: ``x`` carries the simulated device dim
     in front (storage form), else it is a per-device value.

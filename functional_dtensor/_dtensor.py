@@ -175,6 +175,7 @@ def without_partial(layout: Layout) -> Layout:
     )
 
 
+@autograd.compilable
 class _Distribute(torch.autograd.Function):
     """Global tensor -> storage. The gradient of a global value is global: its cotangent is the
     same on every replica (and every Partial part), so the backward reassembles the global
@@ -203,6 +204,7 @@ class _Distribute(torch.autograd.Function):
         return autograd.apply(_Distribute, t, ctx.layout)
 
 
+@autograd.compilable
 class _FullTensor(torch.autograd.Function):
     """Storage -> global tensor. Backward: every device gets its block of the (replicated)
     global cotangent, with no communication."""

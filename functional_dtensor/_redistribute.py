@@ -76,6 +76,7 @@ def _redistribute_method(self: DTensor, placements: PlacementsOrSpec) -> DTensor
 DTensor.redistribute = _redistribute_method  # installed from above: _dtensor does not import this module
 
 
+@autograd.compilable
 class _Redistribute(torch.autograd.Function):
     """Storage in one layout -> storage in another. Backward: the cotangent, laid out like the
     result, redistributed to the source layout (Partial axes as Replicate)."""

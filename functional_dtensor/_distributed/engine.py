@@ -27,6 +27,9 @@ def run_per_device(per_device, size: int, in_dims, inputs):
     transform in progress; no vmap over devices); every output is this rank's own. The mapped
     inputs (``in_dims`` not None) are the function's own values, the others captured."""
     level = current_level()
+    if torch.compiler.is_compiling():  # no torch-function mode to follow the call (see ops_mode)
+        outputs = per_device(level, None, *inputs)
+        return outputs, [True] * len(outputs)
     _calls.append(_Call([v for v, d in zip(inputs, in_dims) if d is not None], level))
     try:
         outputs = per_device(level, None, *inputs)
@@ -119,10 +122,16 @@ class CapturedValues(TorchFunctionMode):
         if not _calls or not (torch.is_grad_enabled() or transforms_active()):
             return func(*args, **kwargs)
         call = _calls[-1]
-        if any(call.captured(t) for t in tensors_of(args, kwargs)):
-            args, kwargs = replace_inputs(func, args, kwargs, lambda v: self._routed(call, v))
+        own = call.own
+        for t in tensors_of(args, kwargs):
+            if id(t) not in own and call.captured(t):
+                args, kwargs = replace_inputs(func, args, kwargs, lambda v: self._routed(call, v))
+                break
         out = func(*args, **kwargs)
-        call.add(out)
+        if type(out) is torch.Tensor:
+            own[id(out)] = out
+        else:
+            call.add(out)
         return out
 
     def _routed(self, call: _Call, v: torch.Tensor) -> torch.Tensor:
@@ -134,6 +143,7 @@ class CapturedValues(TorchFunctionMode):
         return found[1]
 
 
+@autograd.compilable
 class _Captured(torch.autograd.Function):
     """Identity forward: a captured value, held whole by every rank. Backward: the cotangents
     of every rank summed (:class:`_SumOverRanks`, whose own backward is this again)."""
@@ -157,6 +167,7 @@ class _Captured(torch.autograd.Function):
         return autograd.apply(_Captured, t, ctx.frame)
 
 
+@autograd.compilable
 class _SumOverRanks(torch.autograd.Function):
     """The sum over every rank of the mesh (an all-reduce); backward: :class:`_Captured`."""
 

@@ -58,6 +58,7 @@ def run_per_device(per_device, size: int, in_dims, inputs):
     return over_devices(lambda level, *a: per_device(level, level, *a), size, in_dims, inputs)
 
 
+@autograd.compilable
 class _Replicate(torch.autograd.Function):
     """A value that is the same on every device, as stacked copies (an expand view). Backward:
     :class:`_FromCopies`, whose backward is this again (so that it differentiates to any
@@ -82,6 +83,7 @@ class _Replicate(torch.autograd.Function):
         return autograd.apply(_Replicate, t, ctx.mesh_shape, ctx.summed)
 
 
+@autograd.compilable
 class _FromCopies(torch.autograd.Function):
     """The cotangent of :class:`_Replicate`'s copies as the value's: along the mesh axes at
     positions ``summed`` the copies' cotangents are contributions and are summed; along the
