@@ -9,8 +9,12 @@ through :class:`._autograd.Collective`.
 
 With ``check_rep`` (the default) a value's type includes the set of mesh axes it varies over
 (see :mod:`._varying`); transposes use it: the cotangent of a replicated result is replicated,
-so ``psum`` transposes to a broadcast with no communication. Without it, ``psum`` transposes to
-``psum``, as in JAX.
+so ``psum`` transposes to ``pvary``, a broadcast with no communication. Without it, ``psum``
+transposes to ``psum``, as in JAX.
+
+Every transpose is itself made of collectives whose own transposes close the pair (``psum`` of
+a replicated result and ``pvary``; ``all_gather`` and ``psum_scatter``; ``all_to_all`` and its
+swap; a permutation and its inverse), so gradients of gradients are right to any order.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from . import _blocks as blocks
+from ._autograd import differentiated
 from ._backend import backend_of
 from ._context import Frame, frame_for
 from ._errors import InputTypeError, ShapeError, explain
@@ -67,6 +72,10 @@ class _Op:
 
     def transpose(self, g: torch.Tensor, stacked: bool, saved) -> torch.Tensor:
         raise NotImplementedError
+
+    def tangent(self, t: torch.Tensor, stacked: bool, saved) -> torch.Tensor:
+        """The forward-mode derivative: a linear op runs on the tangent as on the value."""
+        return _apply(t, self, stacked)
 
     def shifted(self) -> _Op:
         """The same op on values with one more leading per-device dim."""
@@ -149,6 +158,25 @@ class Pvary(_Op):
         return VaryHeldOnce(self.frame, self.axes) if everything else None
 
 
+@dataclass(frozen=True)
+class SplitCotangent(_Op):
+    """Identity forward: values taken to be the same on every device of the axes (an unchecked
+    function's replicated output) seen as one replicated value. Transpose: the replicated
+    cotangent split evenly among the devices (a pvary, divided by their number), whose own
+    transpose is the mean over them."""
+
+    needs_varying: ClassVar[bool] = False
+
+    def run(self, x):
+        return x
+
+    def transpose(self, g, stacked, saved):
+        return _apply(g, Pvary(self.frame, self.axes), stacked) / self.size
+
+    def varying(self, axes):
+        return axes - set(self.axes)
+
+
 def pvary(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Mark a replicated value as varying over ``axis_name``: no communication forward; the
     gradient is summed over the axes. Inserted automatically where replicated and varying values
@@ -170,11 +198,13 @@ def vary(x: torch.Tensor, frame: Frame, axes: tuple[str, ...]) -> torch.Tensor:
 @dataclass(frozen=True)
 class AllReduce(_Op):
     """Shape rule: unchanged. Varying: the input's axes minus ``axes``. Transpose: ``sum`` and
-    ``avg`` broadcast the (replicated) cotangent with ``check_rep``, else reduce it again;
-    ``max``/``min`` route it to the devices that hold the extremum."""
+    ``avg`` broadcast the (replicated) cotangent with ``check_rep`` (a :class:`Pvary`), else
+    reduce it again; ``max``/``min`` route it to the devices that hold the extremum, and so
+    does their tangent."""
 
     op: str = "sum"
-    transpose_psum: bool = False  # the transpose of pvary: always a real all-reduce
+    # the transpose of pvary: the result is replicated whatever the frame, and transposes to pvary
+    transpose_psum: bool = False
 
     @property
     def saves_input(self) -> bool:  # type: ignore[override]
@@ -184,18 +214,21 @@ class AllReduce(_Op):
         return self.frame.backend.all_reduce(x, self.frame.mesh, self.axes, self.op)
 
     def transpose(self, g, stacked, saved):
-        if self.frame.check_rep and not self.transpose_psum:
-            g_in = g  # the cotangent of a replicated value is replicated: broadcast to varying
+        if self.frame.check_rep or self.transpose_psum:
+            g_in = _broadcast(g, self.frame, self.axes, stacked)
         else:
             g_in = _apply(g, AllReduce(self.frame, self.axes, "sum"), stacked)
         if self.op == "avg":
             return g_in / self.size
         if self.op in ("max", "min"):
-            x, out = saved
-            winners = (x == out).to(g.dtype)
-            count = _apply(winners, AllReduce(self.frame, self.axes, "sum"), stacked)
-            return g_in * winners / count
+            return g_in * _share_of_winners(saved, self.frame, self.axes, stacked)
         return g_in
+
+    def tangent(self, t, stacked, saved):
+        if self.op in ("max", "min"):  # the tangent of the devices that hold the extremum
+            share = _share_of_winners(saved, self.frame, self.axes, stacked)
+            return _apply(t * share, AllReduce(self.frame, self.axes, "sum", self.transpose_psum), stacked)
+        return _apply(t, self, stacked)
 
     def varying(self, axes):
         return axes - set(self.axes)
@@ -204,6 +237,20 @@ class AllReduce(_Op):
         if self.size == self.frame.mesh.size:
             return _ReduceAll(self.frame, self.axes, self.op, self.transpose_psum)
         return self
+
+
+def _broadcast(g: torch.Tensor, frame: Frame, axes: tuple[str, ...], stacked: bool) -> torch.Tensor:
+    """The cotangent of a replicated result as its input's: the same value on every device. Where
+    it may be differentiated again, recorded as :class:`Pvary`, whose transpose sums."""
+    return _apply(g, Pvary(frame, axes), stacked) if differentiated(g) else g
+
+
+def _share_of_winners(saved, frame: Frame, axes: tuple[str, ...], stacked: bool) -> torch.Tensor:
+    """``pmax``/``pmin``: each device's share of the derivative, from the saved input and
+    result: 1 / (the number of devices holding the extremum) where this one does, else 0."""
+    x, out = saved
+    winners = (x == out).to(x.dtype)
+    return winners / _apply(winners, AllReduce(frame, axes, "sum"), stacked)
 
 
 @dataclass(frozen=True)
@@ -231,15 +278,24 @@ class _ReduceAll(AllReduce):
         backend = self.frame.backend
         if not self.frame.check_rep or self.transpose_psum:
             backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())  # by broadcasting
-        g_in = g.expand(self.size, *g.shape)
+        g_in = g.expand(self.size, *g.shape)  # its own transpose sums over the devices
         if self.op == "avg":
             return g_in / self.size
         if self.op in ("max", "min"):
-            x, out = saved
-            winners = (x == out).to(g.dtype)
-            backend.count("all_reduce", self.axes, winners)
-            return g_in * winners / winners.sum(0)
+            return g_in * self._share_of_winners(saved)
         return g_in
+
+    def tangent(self, t, stacked, saved):
+        if self.op in ("max", "min"):
+            self.frame.backend.count("all_reduce", self.axes, t)
+            return (t * self._share_of_winners(saved)).sum(0)
+        return _apply(t, self, stacked)
+
+    def _share_of_winners(self, saved) -> torch.Tensor:
+        x, out = saved
+        winners = (x == out).to(x.dtype)
+        self.frame.backend.count("all_reduce", self.axes, winners)
+        return winners / winners.sum(0)
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,7 @@ def without_partial(layout: Layout) -> Layout:
     )
 
 
+@autograd.compilable
 class _Distribute(torch.autograd.Function):
     """Global tensor -> storage. The gradient of a global value is global: its cotangent is the
     same on every replica (and every Partial part), so the backward reassembles the global
@@ -279,7 +280,12 @@ class _Distribute(torch.autograd.Function):
     def backward(ctx, g):
         return autograd.apply(_FullTensor, g, without_partial(ctx.layout), ctx.shape), None, None
 
+    @staticmethod
+    def jvp(ctx, t, _layout):
+        return autograd.apply(_Distribute, t, ctx.layout)
 
+
+@autograd.compilable
 class _FullTensor(torch.autograd.Function):
     """Storage -> global tensor. Backward: every device gets its block of the (replicated)
     global cotangent, with no communication."""
@@ -295,11 +301,15 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.layout = inputs[1]
+        ctx.layout, ctx.shape = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, g):
         return autograd.apply(_Distribute, g, without_partial(ctx.layout), False), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _layout, _shape):
+        return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
 
 
 def _check_tensor(value, where: str) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The planner (:mod:`._plan`) picks the steps; this module only runs them, on the
 simulated backend's stacked shards or on this rank's shard. The whole change is one autograd
 node: its backward redistributes the cotangent back to the source layout (Partial axes as
-Replicate, as DTensor).
+Replicate, as DTensor), itself differentiable; forward mode redistributes the tangent as the
+value.
 
 >>> import torch, functional_dtensor as fd
 >>> mesh = fd.simulated_mesh(4, "x")
@@ -75,6 +76,7 @@ def _redistribute_method(self: DTensor, placements: PlacementsOrSpec) -> DTensor
 DTensor.redistribute = _redistribute_method  # installed from above: _dtensor does not import this module
 
 
+@autograd.compilable
 class _Redistribute(torch.autograd.Function):
     """Storage in one layout -> storage in another. Backward: the cotangent, laid out like the
     result, redistributed to the source layout (Partial axes as Replicate)."""
@@ -103,6 +105,10 @@ class _Redistribute(torch.autograd.Function):
         if source == target:
             return g, None, None, None
         return autograd.apply(_Redistribute, g, source, target, ctx.shape), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, _source, _target, _shape):
+        return autograd.apply(_Redistribute, t, ctx.source, ctx.target, ctx.shape)
 
 
 # Under torch.compile the planner is not traced: it runs eagerly, from primitive keys of the

@@ -19,7 +19,6 @@ plan, so that a call does little more than flatten its arguments and run the fun
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, TypeAlias, overload
 
@@ -27,10 +26,9 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _autograd as autograd
 from ._backend import backend_of, memory_of
 from ._cache import cached
-from ._collectives import AllReduce, VaryHeldOnce, on_storage, pvary
+from ._collectives import Pvary, SplitCotangent, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import DTensor, check_mesh, distribute_storage, gather_storage, storage_of
 from ._errors import FunctionalDTensorError, ImmutableError, InputTypeError, MeshError, SpecError, explain
@@ -251,12 +249,8 @@ def _run(m: _Mapping, args):
             values.append(DTensor(distribute_storage(storage, layout), layout, storage.shape))
         else:
             shape = _global_shape(layout, m.backend.block_shape(storage))
-            if not m.check_rep:
-                replicas = math.prod(
-                    [s for s, p in zip(m.mesh.shape, layout.placements) if not isinstance(p, Shard)]
-                )
-                if replicas > 1:
-                    storage = autograd.apply(_SplitCotangent, storage, replicas)
+            if not m.check_rep and not layout.is_fully_sharded:
+                storage = on_storage(storage, m.mesh, SplitCotangent, _replica_axes(layout))
             values.append(DTensor(storage, layout, shape))
     return tree.unflatten(values)
 
@@ -304,8 +298,8 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
                 fix="give it the spec None to pass it through untouched",
             )
         )
-    if not check_rep and not layout.is_fully_sharded:
-        storage = autograd.apply(_SumOverReplicas, storage, layout)
+    if not check_rep and not layout.is_fully_sharded:  # each replica's gradient is a contribution
+        storage = on_storage(storage, mesh, Pvary, _replica_axes(layout))
     return storage, True
 
 
@@ -486,43 +480,8 @@ def _checked_replication(mesh: DeviceMesh, value: torch.Tensor, spec: P, allowed
     return pvary(value, tuple(a for a in spec.axis_names if a not in varying))
 
 
-class _SumOverReplicas(torch.autograd.Function):
-    """Identity forward; backward sums the cotangent over the replicated mesh axes (used when
-    replication is not tracked, so each replica's cotangent is only its own contribution)."""
-
-    @staticmethod
-    def forward(storage, layout):
-        return storage
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.layout = inputs[1]
-
-    @staticmethod
-    def vmap(info, in_dims, storage, layout):
-        # a mapped batch becomes one more trailing dim of the local values
-        return autograd.apply(_SumOverReplicas, storage.movedim(in_dims[0], -1), layout), -1
-
-    @staticmethod
-    def backward(ctx, g):
-        mesh = ctx.layout.mesh
-        axes = tuple([n for n, p in zip(mesh.axis_names, ctx.layout.placements) if not isinstance(p, Shard)])
-        return on_storage(g, mesh, AllReduce, axes, op="sum"), None
-
-
-class _SplitCotangent(torch.autograd.Function):
-    """Identity forward; backward divides the cotangent among ``replicas`` copies."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(storage, replicas):
-        return storage
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.replicas = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        return g / ctx.replicas, None
+@functools.lru_cache(maxsize=1024)
+def _replica_axes(layout: Layout) -> tuple[str, ...]:
+    """The mesh axes along which ``layout`` holds copies (not shards) of each block."""
+    mesh = layout.mesh
+    return tuple([n for n, p in zip(mesh.axis_names, layout.placements) if not isinstance(p, Shard)])

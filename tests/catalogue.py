@@ -10,11 +10,13 @@ values and gradients), and the collectives its forward runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from backends import events
+from backends import Mesh, events
+from hypothesis import strategies as st
 
 import functional_dtensor as fd
 
@@ -223,6 +225,19 @@ def cases(mesh: fd.DeviceMesh, A: tuple[str, ...], m: int = 2) -> list[Case]:
 def global_inputs(case: Case, dtype=torch.float64, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=generator, dtype=dtype) for s in case.shapes]
+
+
+@st.composite
+def mesh_and_axes(draw, max_devices: int = 16):
+    """A simulated mesh of 1 to 3 axes and the axes a program maps over, in any order."""
+    ndim = draw(st.integers(1, 3))
+    shape = []
+    for _ in range(ndim):
+        budget = max_devices // math.prod(shape)
+        shape.append(draw(st.integers(1, max(1, min(4, budget)))))
+    names = ("x", "y", "z")[:ndim]
+    axes = draw(st.lists(st.sampled_from(names), min_size=1, max_size=ndim, unique=True))
+    return Mesh(tuple(shape), names, tuple(axes))
 
 
 # --- running a case (a job for either backend: see backends.py) ---------------------------------

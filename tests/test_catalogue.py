@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import zlib
 from collections import Counter
 
 import pytest
 import torch
 from backends import Mesh, block, coordinates, per_device
-from catalogue import Case, cases, global_inputs, mapped, pick, reference, run_case
+from catalogue import Case, cases, global_inputs, mapped, mesh_and_axes, pick, reference, run_case
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -160,19 +159,6 @@ def test_vmap_of_every_case(backend, mesh):
 
 
 # --- drawn meshes, axes in any order and programs (simulated) ----------------------------------
-
-
-@st.composite
-def mesh_and_axes(draw, max_devices: int = 16):
-    """A simulated mesh of 1 to 3 axes and the axes a program maps over, in any order."""
-    ndim = draw(st.integers(1, 3))
-    shape = []
-    for _ in range(ndim):
-        budget = max_devices // math.prod(shape)
-        shape.append(draw(st.integers(1, max(1, min(4, budget)))))
-    names = ("x", "y", "z")[:ndim]
-    axes = draw(st.lists(st.sampled_from(names), min_size=1, max_size=ndim, unique=True))
-    return Mesh(tuple(shape), names, tuple(axes))
 
 
 def unchecked_if(case: Case, unchecked: bool) -> Case:

@@ -217,16 +217,7 @@ def job_captured(mesh, check_rep: bool) -> dict:
 
 @pytest.mark.meshes((2,), (4,))
 @pytest.mark.parametrize("check_rep", [True, False])
-def test_captured_values_get_their_global_gradients(backend, mesh, check_rep, request):
-    if not backend.is_simulated and not check_rep:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="library bug: unchecked, each gloo rank gets only its own part of the gradient of "
-                "a value the per-device function captures (closures, module parameters); the simulated "
-                "backend sums them (torch.func.vmap does)",
-            )
-        )
+def test_captured_values_get_their_global_gradients(backend, mesh, check_rep):
     for p, got in enumerate(backend.run(job_captured, mesh.shape, mesh.names, check_rep)):
         assert got["closure"].item() == 28.0, p  # d/ds sum(v * s) = sum(range(8))
         for a, b in zip(got["module"], got["module_reference"], strict=True):

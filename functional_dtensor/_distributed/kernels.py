@@ -1,7 +1,7 @@
 """The kernels of the distributed backend, on this rank's local tensor: c10d calls when eager
 (the lightest path; a failure or a timeout becomes a :class:`CommunicationError`, see
-:mod:`.errors`), ``torch.distributed`` functional collectives under ``torch.compile``
-(traceable).
+:mod:`.errors`), ``torch.distributed`` functional collectives while traced (``torch.compile``,
+``torch.func.linearize``).
 
 Groups come from :mod:`.runtime` (one per mesh axis, one per flattened tuple of axes). A group
 orders its ranks in mesh order; when a tuple of axes is given in another order, the blocks are
@@ -16,6 +16,8 @@ import math
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.node import has_side_effect
 
 from .. import _blocks as blocks
 from .._mesh import DeviceMesh
@@ -42,6 +44,26 @@ _C10D_OPS = {
 }
 
 
+# A collective is a side effect across ranks: no graph pass may fold it into a constant or drop it
+# on one rank alone. torch marks the functional collectives' wait so; torch.func.linearize
+# const-folds its graph, and would fold a collective of constant inputs apart from its wait.
+for _collective in (
+    torch.ops._c10d_functional.all_reduce,
+    torch.ops._c10d_functional.all_gather_into_tensor,
+    torch.ops._c10d_functional.reduce_scatter_tensor,
+    torch.ops._c10d_functional.all_to_all_single,
+    torch.ops._c10d_functional.broadcast,
+):
+    has_side_effect(_collective.default)
+
+
+def _traced() -> bool:
+    """Whether the call is being traced into a graph (``torch.compile``, or ``make_fx`` as
+    ``torch.func.linearize`` traces): then the functional collectives, which a trace records;
+    c10d's own calls would be left out of it, and the graph would run without them."""
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
@@ -50,7 +72,7 @@ def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
     if op == "avg" and not (x.is_floating_point() or x.is_complex()):
         # the average of _blocks.reduce, rounded down (gloo averages integers in float)
         return blocks.average(_all_reduce(x, "sum", group), dist.get_world_size(group))
-    if torch.compiler.is_compiling():
+    if _traced():
         return _wait(funcol.all_reduce(x, op, group))
     out = x.clone(memory_format=torch.contiguous_format)
     c10d(all_reduce_in_place, out, op=_C10D_OPS[op], group=group)
@@ -77,7 +99,7 @@ def _allreduce_options(op) -> dist.AllreduceOptions:
 def _all_gather(x: torch.Tensor, size: int, group) -> torch.Tensor:
     """``(size * x.shape[0], ...)``: every rank's ``x`` concatenated along dim 0."""
     x = x.contiguous()
-    if torch.compiler.is_compiling():
+    if _traced():
         return _wait(funcol.all_gather_single(x, 0, group))
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
     c10d(dist.all_gather_single, out, x, group=group)
@@ -87,7 +109,7 @@ def _all_gather(x: torch.Tensor, size: int, group) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, size: int, group) -> torch.Tensor:
     """Sum over ranks of ``x``; rank ``i`` keeps block ``i`` of dim 0."""
     x = x.contiguous()
-    if torch.compiler.is_compiling():
+    if _traced():
         return _wait(funcol.reduce_scatter_single(x, "sum", 0, group))
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     c10d(dist.reduce_scatter_single, out, x, group=group)
@@ -96,7 +118,7 @@ def _reduce_scatter(x: torch.Tensor, size: int, group) -> torch.Tensor:
 
 def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     x = x.contiguous()
-    if torch.compiler.is_compiling():
+    if _traced():
         return _wait(funcol.all_to_all_single(x, out_splits, in_splits, group))
     out = x.new_empty((sum(out_splits) if out_splits is not None else x.shape[0], *x.shape[1:]))
     c10d(dist.all_to_all_single, out, x, out_splits, in_splits, group=group)
@@ -228,7 +250,7 @@ def _reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int)
     """The sum over the group into the device at flat mesh index ``root`` (the others' results
     are not meaningful); under compile, an all-reduce."""
     group = runtime.group(mesh, axes)
-    if torch.compiler.is_compiling():
+    if _traced():
         return _wait(funcol.all_reduce(x, "sum", group))
     out = x.clone(memory_format=torch.contiguous_format)
     c10d(dist.reduce, out, runtime.group_ids(mesh)[root], group=group)
@@ -241,7 +263,7 @@ def _broadcast(
     """The value of the device at flat mesh index ``root``, on every device of the group
     (``donate``: ``x`` is a private buffer and may be overwritten)."""
     group = runtime.group(mesh, axes)
-    if torch.compiler.is_compiling():
+    if _traced():
         coordinate = mesh.coordinate(root)
         group_rank = 0  # the root's rank within the group: its index along the axes, mesh order
         for axis in sorted(axes, key=mesh.axis_position):

@@ -59,11 +59,11 @@ def run_per_device(per_device, size: int, in_dims, inputs):
     return over_devices(lambda level, *a: per_device(level, level, *a), size, in_dims, inputs)
 
 
+@autograd.compilable
 class _Replicate(torch.autograd.Function):
     """A value that is the same on every device, as stacked copies (an expand view). Backward:
-    along the mesh axes at positions ``summed`` the copies' cotangents are contributions and are
-    summed; along the others the value is replicated, every copy's cotangent is already the
-    whole one, and the copy at coordinate 0 is taken."""
+    :class:`_FromCopies`, whose backward is this again (so that it differentiates to any
+    order)."""
 
     generate_vmap_rule = True
 
@@ -77,13 +77,44 @@ class _Replicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        grid = g.reshape(*ctx.mesh_shape, *g.shape[1:])
-        for axis in range(len(ctx.mesh_shape)):
-            if axis in ctx.summed:
+        return autograd.apply(_FromCopies, g, ctx.mesh_shape, ctx.summed), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _mesh_shape, _summed):
+        return autograd.apply(_Replicate, t, ctx.mesh_shape, ctx.summed)
+
+
+@autograd.compilable
+class _FromCopies(torch.autograd.Function):
+    """The cotangent of :class:`_Replicate`'s copies as the value's: along the mesh axes at
+    positions ``summed`` the copies' cotangents are contributions and are summed; along the
+    others the value is replicated, every copy's cotangent is already the whole one, and the
+    copy at coordinate 0 is taken. Backward: :class:`_Replicate` (a replicated cotangent is
+    whole on every copy)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(g, mesh_shape, summed):
+        grid = g.reshape(*mesh_shape, *g.shape[1:])
+        for axis in range(len(mesh_shape)):
+            if axis in summed:
                 grid = grid.sum(axis, keepdim=True)
             else:
                 grid = grid.narrow(axis, 0, 1)
-        return grid.reshape(g.shape[1:]), None, None
+        return grid.reshape(g.shape[1:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh_shape, ctx.summed = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return autograd.apply(_Replicate, g, ctx.mesh_shape, ctx.summed), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _mesh_shape, _summed):
+        return autograd.apply(_FromCopies, t, ctx.mesh_shape, ctx.summed)
 
 
 def on_devices(x: torch.Tensor, frame) -> torch.Tensor:
