@@ -274,15 +274,15 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.layout, ctx.shape = inputs[1], tuple(inputs[0].shape)
+        ctx.layout, ctx.shape, ctx.copy = inputs[1], tuple(inputs[0].shape), inputs[2]
 
     @staticmethod
     def backward(ctx, g):
         return autograd.apply(_FullTensor, g, without_partial(ctx.layout), ctx.shape), None, None
 
     @staticmethod
-    def jvp(ctx, t, _layout):
-        return autograd.apply(_Distribute, t, ctx.layout)
+    def jvp(ctx, t, _layout, _copy):
+        return autograd.apply(_Distribute, t, ctx.layout, ctx.copy)
 
 
 @autograd.compilable
