@@ -480,7 +480,7 @@ def _checked_replication(mesh: DeviceMesh, value: torch.Tensor, spec: P, allowed
     return pvary(value, tuple(a for a in spec.axis_names if a not in varying))
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def _replica_axes(layout: Layout) -> tuple[str, ...]:
     """The mesh axes along which ``layout`` holds copies (not shards) of each block."""
     mesh = layout.mesh

@@ -138,6 +138,17 @@ def test_functorch_internals_are_imported_in_one_module():
             )
 
 
+def test_caches_go_through_the_one_compile_aware_cache():
+    """``functools.lru_cache`` makes Dynamo warn of silent incorrectness while compiling;
+    :mod:`functional_dtensor._cache` bypasses its caches then."""
+    for module, tree in MODULES.items():
+        if module == "_cache":
+            continue
+        source = ast.unparse(tree)
+        for forbidden in ("lru_cache", "functools.cache"):
+            assert forbidden not in source, f"{module} uses {forbidden}: use _cache.cached"
+
+
 def _asks_the_backend(node: ast.AST) -> bool:
     """A comparison that tells the backends apart: with a backend's name or a mesh's
     ``backend`` field, or whether a frame has a device level at all (only a simulated mesh's
