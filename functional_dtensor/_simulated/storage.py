@@ -29,6 +29,7 @@ __all__ = [
     "shard",
     "shards",
     "from_local",
+    "shard_infos",
     "differing_replicas",
     "materialize",
     "splits_as_views",
@@ -177,6 +178,7 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, where: 
     every device holds (what each rank passes in an SPMD program)."""
     mesh = layout.mesh
     table = shard_table(layout, global_shape)
+    _check_count(shards, mesh, where)
     shards = [t.to(mesh.device_type) for t in shards]
     if len(shards) == 1:
         _check_shape(shards[0].shape, table.local_shapes[0], 0, where, global_shape)
@@ -191,11 +193,15 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, where: 
                 )
             )
         storage = shards[0].unsqueeze(0).expand(mesh.size, *shards[0].shape)
-    elif len(shards) == mesh.size:
+    else:
         for k, (t, expected) in enumerate(zip(shards, table.local_shapes)):
             _check_shape(t.shape, expected, k, where, global_shape)
         storage = torch.stack([blocks.pad(t, table.padded_shape) for t in shards])
-    else:
+    return storage
+
+
+def _check_count(shards, mesh, where: str) -> None:
+    if len(shards) not in (1, mesh.size):
         raise ShapeError(
             explain(
                 f"{where}(local_tensor)",
@@ -205,7 +211,13 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, where: 
                 fix="pass a list with every device's shard in row-major mesh order",
             )
         )
-    return storage
+
+
+def shard_infos(shards, layout: Layout, *, where: str) -> tuple[blocks.ShardInfo, ...]:
+    """Every device's shard metadata, in flat mesh order (one shard given: every device's)."""
+    _check_count(shards, layout.mesh, where)
+    infos = tuple([blocks.shard_info(t) for t in shards])
+    return infos * layout.mesh.size if len(infos) == 1 else infos
 
 
 def _check_shape(got, expected, device: int, where: str, shape) -> None:
