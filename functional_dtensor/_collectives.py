@@ -16,6 +16,7 @@ so ``psum`` transposes to a broadcast with no communication. Without it, ``psum`
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -473,7 +474,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     where = "fd.ppermute"
     frame, axes = frame_for(axis_name, where)
     size = frame.mesh.axis_size(axes)
-    pairs = tuple((int(s), int(d)) for s, d in perm)
+    pairs = _pairs(perm, f"{where}(perm)")
     sources, targets = [s for s, _ in pairs], [d for _, d in pairs]
     if (
         any(not 0 <= i < size for i in sources + targets)
@@ -490,6 +491,26 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
             )
         )
     return _call(x, axis_name, where, lambda f, a: Permute(f, a, pairs))
+
+
+def _pairs(perm, where: str) -> tuple[tuple[int, int], ...]:
+    """``perm`` as ``(src, dst)`` int pairs: a list or tuple of pairs, nothing else (a dict or
+    an iterator would be read differently, or once, where a plan needs it again)."""
+    try:
+        pairs = isinstance(perm, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in perm)
+        if pairs and all(len(p) == 2 for p in perm):
+            return tuple((operator.index(s), operator.index(d)) for s, d in perm)
+    except TypeError:
+        pass
+    raise InputTypeError(
+        explain(
+            where,
+            "a permutation is a list of (source, destination) pairs of device indices",
+            expected="a list or tuple of int pairs such as [(0, 1), (1, 0)]",
+            got=repr(perm),
+            fix="write each move as a pair, e.g. [(i, p[i]) for i in range(n)] for a list p of destinations",
+        )
+    )
 
 
 # --- axis_index and axis_size -----------------------------------------------------------------

@@ -18,6 +18,7 @@ __all__ = [
     "InputTypeError",
     "AxisNameError",
     "CommunicationError",
+    "BatchedFunctionError",
     "explain",
 ]
 
@@ -60,6 +61,12 @@ class AxisNameError(FunctionalDTensorError, NameError):
 @public
 class CommunicationError(FunctionalDTensorError, RuntimeError):
     """A collective failed or timed out on the distributed backend (a dead or stuck rank)."""
+
+
+@public
+class BatchedFunctionError(FunctionalDTensorError, RuntimeError):
+    """The per-device function reads a value into Python (``.item()``, ``if x > 0:``) on the
+    simulated backend, where it runs once, batched over every device."""
 
 
 def explain(where: str, what: str, *, expected: str, got: str, fix: str) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import MeshError, explain
-from .._mesh import DeviceMesh
+from .._mesh import DeviceMesh, check_device_type
 
 __all__ = [
     "init_device_mesh",
@@ -48,6 +48,7 @@ def init_device_mesh(
     """A mesh over the ranks of ``torch.distributed`` (one device per rank), creating the process
     group from the ``torchrun`` environment when there is none yet: gloo on CPU, NCCL on CUDA.
     ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error."""
+    device_type = check_device_type(device_type, "fd.init_device_mesh")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if not dist.is_initialized():
