@@ -82,25 +82,43 @@ class Backend:
 
     # --- kernels, on storage ----------------------------------------------------------------
 
+    # A group of one device (axes of size 1) communicates nothing: each kernel's local form
+    # runs instead, on a copy (a collective returns a new tensor), and nothing is counted.
+
     def all_reduce(self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum"):
+        if mesh.axis_size(axes) == 1:
+            return x.clone()
         self.count("all_reduce", axes, x)
         return self._kernels.all_reduce(x, mesh, axes, op)
 
     def all_gather(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if tiled else x.unsqueeze(self._lead + dim).clone()
         self.count("all_gather", axes, x)
         return self._kernels.all_gather(x, mesh, axes, dim, tiled)
 
     def reduce_scatter(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if tiled else x.squeeze(self._lead + dim).clone()
         self.count("reduce_scatter", axes, x)
         return self._kernels.reduce_scatter(x, mesh, axes, dim, tiled)
 
     def all_to_all(self, x, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if tiled else x.movedim(self._lead + split, self._lead + concat).clone()
         self.count("all_to_all", axes, x)
         return self._kernels.all_to_all(x, mesh, axes, split, concat, tiled)
 
     def permute(self, x, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if perm else torch.zeros_like(x)
         self.count("ppermute", axes, x)
         return self._kernels.permute(x, mesh, axes, perm)
+
+    @property
+    def _lead(self) -> int:
+        """The dims before a block's own in storage form (the device dim, when stacked)."""
+        return 1 if self.stacked else 0
 
     def reduce_broadcast(self, x, mesh: DeviceMesh, a: int, b: int, op: str):
         """Partial(op) on mesh axis ``a`` and Shard on axis ``b`` (equal sizes) -> Shard on
