@@ -164,6 +164,14 @@ class Backend:
                 self.count_bytes("all_gather", sharding, nbytes)
         return self._storage.distribute(self._storage.gather(storage, source, shape), target)
 
+    def padded(self, storage, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        """Every local block at the layout's padded block shape (zeros appended)."""
+        return self._storage.padded(storage, layout, shape)
+
+    def unpadded(self, storage, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        """The storage, in ``layout``, of local blocks at its padded block shape."""
+        return self._storage.unpadded(storage, layout, shape)
+
     def splits_as_views(self, layout: Layout, shape: tuple[int, ...]) -> bool:
         """Whether storage and global value are views of each other (then their own autograd
         carries the right gradients)."""

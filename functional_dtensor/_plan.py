@@ -12,7 +12,8 @@ step                what it does                           bytes received per de
                     innermost of their dims), one
                     collective over their flattened group
 ``AllReduce``       Partial -> Replicate on axes G          ``2 (k-1)/k b``
-``ReduceScatter``   Partial -> Shard(d) on axes G           ``(k-1)/k b``
+``ReduceScatter``   Partial -> Shard(d) on axes G (an       ``(k-1)/k b`` (``b`` padded to a
+                    uneven d: on one axis, padded)          multiple of ``k`` along d)
 ``AllToAll``        Shard(i) -> Shard(j) on axes G          ``(k-1)/k b``
 ``Swap``            exchange the placements of two axes     ``b`` (a block permutation)
                     of equal size (a point-to-point move)
@@ -187,7 +188,10 @@ def step_bytes(step: Step, shape: tuple[int, ...], itemsize: int) -> Fraction:
         return Fraction((k - 1) * b)
     if isinstance(step, AllReduce):
         return Fraction(2 * (k - 1) * b, k)
-    if isinstance(step, (ReduceScatter, AllToAll)):
+    if isinstance(step, ReduceScatter):  # the dim scattered padded to a multiple of k
+        size = shard_table(step.source, shape).padded_shape[step.dim]
+        return Fraction((k - 1) * (b // size if size else 0) * -(-size // k) * k, k)
+    if isinstance(step, AllToAll):
         return Fraction((k - 1) * b, k)
     if isinstance(step, (Swap, Permute)):
         return Fraction(b)
@@ -389,7 +393,8 @@ def plan(
         return ()
     mesh = source.mesh
     if not (shard_table(source, shape).is_even and shard_table(target, shape).is_even):
-        return (Regather(source, target, tuple(range(mesh.ndim))),)
+        scatter = _uneven_reduce_scatter(source, target, len(shape), integral)
+        return (scatter or Regather(source, target, tuple(range(mesh.ndim))),)
     ndim = len(shape)
     start, goal = _state(source, ndim), _state(target, ndim)
     replicated_goal = (tuple(Replicate() if p.is_partial() else p for p in goal[0]), goal[1])
@@ -421,6 +426,27 @@ def plan(
                 best[key] = price
                 heapq.heappush(queue, (*price, next(tie), key, (*steps, step)))
     return (Regather(source, target, tuple(range(mesh.ndim))),)
+
+
+def _uneven_reduce_scatter(source: Layout, target: Layout, ndim: int, integral: bool) -> ReduceScatter | None:
+    """Partial(op) -> Shard(d) on one axis, every other placement kept, where ``d`` splits
+    unevenly and was whole: one reduce_scatter of blocks padded to a multiple of the axis size
+    (torch.chunk's blocks are the first rows of each padded block), or None."""
+    changed = [a for a, (p, q) in enumerate(zip(source.placements, target.placements)) if p != q]
+    if len(changed) != 1:  # over several axes torch.chunk nests: no padded flat split
+        return None
+    sources = {source.placements[a] for a in changed}
+    targets = {target.placements[a] for a in changed}
+    if len(sources) != 1 or len(targets) != 1:
+        return None
+    (p,), (q,) = sources, targets
+    if not (isinstance(p, Partial) and p.op in ("sum", "avg") and isinstance(q, Shard)):
+        return None
+    if source.sharding_axes(q.dim) or not _reducible(source.placements, tuple(changed), p.op, integral):
+        return None
+    if any(target.sharding_axes(d) != source.sharding_axes(d) for d in range(ndim) if d != q.dim):
+        return None
+    return ReduceScatter(source, target, target.sharding_axes(q.dim), dim=q.dim, op=p.op)
 
 
 def _moves_nothing(step: Step) -> bool:

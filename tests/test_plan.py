@@ -17,7 +17,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
-from functional_dtensor._plan import Permute, Regather, lower_bound, permutation_pairs, plan, step_bytes
+from functional_dtensor._plan import (
+    Permute,
+    ReduceScatter,
+    Regather,
+    lower_bound,
+    permutation_pairs,
+    plan,
+    step_bytes,
+)
 from functional_dtensor.testing import strategies as fds
 
 S, R, PS = fd.Shard, fd.Replicate(), fd.Partial()
@@ -64,8 +72,12 @@ def test_uneven_shapes_regather(data):
     )
     if case.layout == target:
         assert steps == ()
-    elif uneven:  # one step from the source to the target, through the global value
-        assert [(type(s), s.source, s.target) for s in steps] == [(Regather, case.layout, target)]
+    elif uneven:  # one step: a padded reduce_scatter, or through the global value
+        kinds = (ReduceScatter, Regather)
+        assert [(type(s) in kinds, s.source, s.target) for s in steps] == [(True, case.layout, target)]
+        if isinstance(steps[0], ReduceScatter):  # Partial -> Shard on one axis, nothing else
+            changed = [a for a, (p, q) in enumerate(zip(case.layout.placements, target.placements)) if p != q]
+            assert len(changed) == 1 and case.layout.placements[changed[0]].is_partial(), steps
     else:  # the planner's own steps, from the source to the target
         assert not any(isinstance(s, Regather) for s in steps)
         assert steps[0].source == case.layout and steps[-1].target == target
@@ -324,3 +336,21 @@ def test_steps_on_axes_of_size_1_are_relabels(mesh_shape):
                     assert cost(steps, shape) == 0 and all(not s.collective for s in steps), [
                         str(s) for s in steps
                     ]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, source, target, shape",
+    [
+        ((4,), (PS,), (S(0),), (10,)),
+        ((2, 2), (PS, S(1)), (S(0), S(1)), (5, 3)),
+        ((3, 2), (R, fd.Partial("avg")), (R, S(1)), (4, 5)),
+    ],
+)
+def test_partial_to_shard_of_an_uneven_dim_is_one_reduce_scatter(mesh_shape, source, target, shape):
+    """Regression: an uneven Partial -> Shard ran an all-reduce and an all-gather through the
+    global value; one reduce_scatter of padded blocks receives (k-1)/k of the padded value."""
+    mesh = fd.simulated_mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
+    src, dst = fd.Layout(mesh, source), fd.Layout(mesh, target)
+    steps = plan(src, dst, shape, 4)
+    axis = next(a for a, p in enumerate(source) if p.is_partial())
+    assert [str(s) for s in steps] == [f"reduce_scatter({mesh.axis_names[axis]})"]

@@ -236,6 +236,27 @@ def test_a_change_on_axes_of_size_1_communicates_nothing(backend, mesh):
         assert all(r["events"] == [] for r in got)
 
 
+UNEVEN_REDUCE_SCATTER = {
+    (2,): [
+        ((5, 3), (fd.Partial(),), (fd.Shard(0),), "float32"),
+        ((3,), (fd.Partial("avg"),), (fd.Shard(0),), "float64"),
+    ],
+    (4,): [
+        ((10,), (fd.Partial(),), (fd.Shard(0),), "float32"),
+        ((2, 3), (fd.Partial(),), (fd.Shard(0),), "int64"),
+    ],
+    (2, 2): [((5, 3), (fd.Partial(), fd.Shard(1)), (fd.Shard(0), fd.Shard(1)), "float32")],
+}
+
+
+@pytest.mark.meshes(*UNEVEN_REDUCE_SCATTER)
+def test_partial_to_shard_of_an_uneven_dim_runs_one_reduce_scatter(backend, mesh):
+    """Regression: it ran an all_reduce and an all_gather through the global value."""
+    for got in check_redistribute(backend, mesh, items_for(mesh, UNEVEN_REDUCE_SCATTER[mesh.shape])):
+        for result in got:
+            assert [op for op, _, _ in result["events"]] == ["reduce_scatter"], result["events"]
+
+
 @pytest.mark.meshes((1, 2, 2), (2, 2, 2), (2, 3, 2))
 def test_a_reorder_beside_partial_axes(backend, mesh):
     """Axes y and z reorder dim 0 while x holds Partial parts: one ppermute of a block, the

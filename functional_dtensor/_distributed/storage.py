@@ -18,6 +18,8 @@ __all__ = [
     "shards",
     "from_local",
     "shard_infos",
+    "padded",
+    "unpadded",
     "differing_replicas",
     "materialize",
     "splits_as_views",
@@ -156,3 +158,14 @@ def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> t
     table = shard_table(layout, tuple(global_shape))
     block = make_blocks(table.padded_shape, index)
     return _partitioned(blocks.unpad(block, table.local_shapes[runtime.device_index(mesh)]), layout)
+
+
+def padded(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's shard padded with zeros to the layout's padded block shape."""
+    return blocks.pad(local, shard_table(layout, tuple(global_shape)).padded_shape)
+
+
+def unpadded(block: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's shard of its padded block."""
+    table = shard_table(layout, tuple(global_shape))
+    return blocks.unpad(block, table.local_shapes[runtime.device_index(layout.mesh)])

@@ -30,6 +30,8 @@ __all__ = [
     "shards",
     "from_local",
     "shard_infos",
+    "padded",
+    "unpadded",
     "differing_replicas",
     "materialize",
     "splits_as_views",
@@ -253,4 +255,14 @@ def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> t
     storage = blocks.partition_partial(grid, layout).reshape(mesh.size, *padded)
     if not shard_table(layout, global_shape).is_even:
         storage = storage * blocks.valid_mask(layout, global_shape, str(storage.device))
+    return storage
+
+
+def padded(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """Every device's block at the layout's padded shape: the storage itself."""
+    return storage
+
+
+def unpadded(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The storage of padded blocks: itself (a simulated storage holds them padded)."""
     return storage
