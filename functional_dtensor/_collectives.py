@@ -225,12 +225,13 @@ class _ReduceAll(AllReduce):
         return self
 
     def run(self, x):
-        self.frame.backend.count("all_reduce", self.axes, x)
+        if self.size > 1:  # a group of one device communicates nothing
+            self.frame.backend.count("all_reduce", self.axes, x)
         return blocks.reduce(x, self.op, 0)
 
     def transpose(self, g, stacked, saved):
         backend = self.frame.backend
-        if not self.frame.check_rep or self.transpose_psum:
+        if (not self.frame.check_rep or self.transpose_psum) and self.size > 1:
             backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())  # by broadcasting
         g_in = g.expand(self.size, *g.shape)
         if self.op == "avg":
@@ -238,7 +239,8 @@ class _ReduceAll(AllReduce):
         if self.op in ("max", "min"):
             x, out = saved
             winners = (x == out).to(g.dtype)
-            backend.count("all_reduce", self.axes, winners)
+            if self.size > 1:
+                backend.count("all_reduce", self.axes, winners)
             return g_in * winners / winners.sum(0)
         return g_in
 
@@ -253,7 +255,8 @@ class VaryHeldOnce(Pvary):
         return x.view_as(x)
 
     def transpose(self, g, stacked, saved):
-        self.frame.backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())
+        if self.size > 1:
+            self.frame.backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())
         return g
 
 
