@@ -285,7 +285,7 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
     storage (stacked shards, or this rank's shard). Where the backend holds values the same on
     every device once, a replicated argument enters as one value."""
     mesh, backend, check_rep = m.mesh, m.backend, m.check_rep
-    if isinstance(value, (bool, int, float, complex)):  # a Python scalar: a 0-d value (as JAX)
+    if isinstance(value, (bool, int, float, complex)) and not plan.specs[i]:  # with spec P(): 0-d (as JAX)
         value = torch.tensor(value)
     if isinstance(value, DTensor):
         key = (value.layout, value.shape)
@@ -401,7 +401,7 @@ def _leave(m: _Mapping, outputs, compiling: bool):
             flat.append(value)
             layouts.append(None)
             continue
-        if isinstance(value, (bool, int, float, complex)):  # a Python scalar: a 0-d value (as JAX)
+        if isinstance(value, (bool, int, float, complex)) and not spec:  # with spec P(): 0-d (as JAX)
             value = torch.tensor(value, device=m.mesh.device_type)
         if not isinstance(value, torch.Tensor):
             raise InputTypeError(

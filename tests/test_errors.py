@@ -112,7 +112,7 @@ CASES = [
     ("item-in-f", lambda: _map_1d(lambda v: v * v.sum().item()), fd.BatchedFunctionError, RuntimeError, ["fd.shard_map(f)", ".item()", "batched", "torch.where"]),
     ("if-on-a-value-in-f", lambda: _map_1d(lambda v: v if v.sum() > 0 else -v), fd.BatchedFunctionError, RuntimeError, ["fd.shard_map(f)", "if or while", "torch.where"]),
     ("shard-map-kwargs", lambda: _map_1d(lambda v, w=None: v, w=torch.ones(4)), fd.InputTypeError, TypeError, ["fd.shard_map(f)(**kwargs)", "w", "functools.partial"]),
-    ("shard-map-scalar-sharded", lambda: fd.shard_map(lambda v: v, mesh=MESH_1D, in_specs=fd.P("x"), out_specs=fd.P())(2.0), fd.SpecError, ValueError, ["in_specs", "0-d"]),
+    ("shard-map-scalar-sharded", lambda: fd.shard_map(lambda v: v, mesh=MESH_1D, in_specs=fd.P("x"), out_specs=fd.P())(2.0), fd.InputTypeError, TypeError, ["fd.shard_map(args[0])", "P('x')", "float"]),
 ]
 # fmt: on
 
