@@ -336,9 +336,9 @@ def main():
                 [
                     case.name,
                     " + ".join(str(s) for s in r.steps) or "nothing",
-                    f"{r.total_bytes / MIB:.2f}",
+                    f"{float(r.total_bytes / MIB):.2f}",
                     f"{case.dtensor_bytes / MIB:.2f}",
-                    f"{r.lower_bound / MIB:.2f}",
+                    f"{float(r.lower_bound / MIB):.2f}",
                     case.dtensor_ran,
                     f"{fd_ms:.2f}",
                     f"{dt_ms:.2f}",

@@ -24,6 +24,7 @@ from ._distributed.runtime import init_device_mesh
 from ._dtensor import DTensor, distribute_tensor, from_local
 from ._errors import (
     AxisNameError,
+    BatchedFunctionError,
     CommunicationError,
     FunctionalDTensorError,
     ImmutableError,
@@ -60,6 +61,7 @@ __all__ = [
     "pvary",
     "shard_map",
     "AxisNameError",
+    "BatchedFunctionError",
     "CommunicationError",
     "DTensor",
     "DeviceMesh",

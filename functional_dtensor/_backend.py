@@ -30,11 +30,11 @@ from . import _comm_log as comm_log
 from ._distributed import engine as distributed_engine
 from ._distributed import kernels as distributed_kernels
 from ._distributed import storage as distributed_storage
-from ._errors import LayoutError, explain
+from ._errors import InputTypeError, LayoutError, ShapeError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placements import Partial, Shard
-from ._sharding import shard_table
+from ._sharding import check_rank, global_shape_of_local, shard_table
 from ._simulated import engine as simulated_engine
 from ._simulated import kernels as simulated_kernels
 from ._simulated import storage as simulated_storage
@@ -82,25 +82,43 @@ class Backend:
 
     # --- kernels, on storage ----------------------------------------------------------------
 
+    # A group of one device (axes of size 1) communicates nothing: each kernel's local form
+    # runs instead, on a copy (a collective returns a new tensor), and nothing is counted.
+
     def all_reduce(self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum"):
+        if mesh.axis_size(axes) == 1:
+            return x.clone()
         self.count("all_reduce", axes, x)
         return self._kernels.all_reduce(x, mesh, axes, op)
 
     def all_gather(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if tiled else x.unsqueeze(self._lead + dim).clone()
         self.count("all_gather", axes, x)
         return self._kernels.all_gather(x, mesh, axes, dim, tiled)
 
     def reduce_scatter(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if tiled else x.squeeze(self._lead + dim).clone()
         self.count("reduce_scatter", axes, x)
         return self._kernels.reduce_scatter(x, mesh, axes, dim, tiled)
 
     def all_to_all(self, x, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if tiled else x.movedim(self._lead + split, self._lead + concat).clone()
         self.count("all_to_all", axes, x)
         return self._kernels.all_to_all(x, mesh, axes, split, concat, tiled)
 
     def permute(self, x, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]):
+        if mesh.axis_size(axes) == 1:
+            return x.clone() if perm else torch.zeros_like(x)
         self.count("ppermute", axes, x)
         return self._kernels.permute(x, mesh, axes, perm)
+
+    @property
+    def _lead(self) -> int:
+        """The dims before a block's own in storage form (the device dim, when stacked)."""
+        return 1 if self.stacked else 0
 
     def reduce_broadcast(self, x, mesh: DeviceMesh, a: int, b: int, op: str):
         """Partial(op) on mesh axis ``a`` and Shard on axis ``b`` (equal sizes) -> Shard on
@@ -147,6 +165,14 @@ class Backend:
                 self.count_bytes("all_gather", sharding, nbytes)
         return self._storage.distribute(self._storage.gather(storage, source, shape), target)
 
+    def padded(self, storage, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        """Every local block at the layout's padded block shape (zeros appended)."""
+        return self._storage.padded(storage, layout, shape)
+
+    def unpadded(self, storage, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        """The storage, in ``layout``, of local blocks at its padded block shape."""
+        return self._storage.unpadded(storage, layout, shape)
+
     def splits_as_views(self, layout: Layout, shape: tuple[int, ...]) -> bool:
         """Whether storage and global value are views of each other (then their own autograd
         carries the right gradients)."""
@@ -160,11 +186,14 @@ class Backend:
         """The shards this process holds, unpadded, in flat mesh order."""
         return self._storage.shards(storage, layout, shape)
 
-    def from_local(
-        self, shards, layout: Layout, shape: tuple[int, ...], *, run_check: bool, copy: bool, where: str
-    ):
-        """Storage from local shards, checked against the layout (``run_check``: and equal along
-        the Replicate axes; ``copy``: sharing no memory with them)."""
+    def from_local(self, shards, layout: Layout, shape, *, run_check: bool, copy: bool, where: str):
+        """Storage and global shape from local shards, checked against the layout. Without
+        ``shape``, or with ``run_check``, every process sees every device's shard metadata and
+        reaches the same verdict (``run_check``: and compares values along Replicate axes);
+        ``copy``: the storage shares no memory with the shards."""
+        if shape is None or run_check:
+            infos = self._storage.shard_infos(shards, layout, where=where)
+            shape = _agreed_shape(infos, layout, shape, run_check, where)
         storage = self._storage.from_local(shards, layout, shape, copy=copy, where=where)
         differing = self._storage.differing_replicas(storage, layout) if run_check else []
         if differing:
@@ -177,7 +206,7 @@ class Backend:
                     fix="pass equal shards, or place that axis fd.Partial / fd.Shard",
                 )
             )
-        return storage
+        return storage, shape
 
     def saved(self, storage: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, int | None]:
         """What a saved value keeps of ``storage``: the shards this process holds (detached),
@@ -197,6 +226,50 @@ class Backend:
     def block_shape(self, storage: torch.Tensor) -> tuple[int, ...]:
         """The shape of one device's (padded) block in ``storage``."""
         return tuple(storage.shape[1:] if self.stacked else storage.shape)
+
+
+def _agreed_shape(infos, layout: Layout, shape, run_check: bool, where: str) -> tuple[int, ...]:
+    """The global shape of shards whose metadata, every device's, is ``infos``: ``shape`` where
+    given, else the one their local shapes make up. Raises where they cannot make up one value
+    (with ``run_check``: where dtype, device type or ``requires_grad`` differ too)."""
+    fields = [("ndim", lambda i: len(i.shape))]
+    if run_check:
+        fields += [("dtype", lambda i: i.dtype), ("device type", lambda i: i.device)]
+        fields += [("requires_grad", lambda i: i.requires_grad)]
+    for name, read in fields:
+        values = [read(i) for i in infos]
+        other = next((k for k, v in enumerate(values) if v != values[0]), None)
+        if other is not None:
+            raise (ShapeError if name == "ndim" else InputTypeError)(
+                explain(
+                    f"{where}(local_tensor)",
+                    f"the shards' {name} differs across devices",
+                    expected=f"the same {name} on every device",
+                    got=f"{values[0]} on device 0, {values[other]} on device {other}",
+                    fix=f"give every device's shard the same {name}",
+                )
+            )
+    local_shapes = tuple([i.shape for i in infos])
+    if shape is not None:
+        check_rank(shape, len(local_shapes[0]), f"{where}(shape)")
+    if shape is None:
+        shape = global_shape_of_local(layout, local_shapes)
+        fits = shape is not None
+    else:
+        fits = shard_table(layout, shape).local_shapes == local_shapes
+    if not fits:
+        raise ShapeError(
+            explain(
+                f"{where}(local_tensor)",
+                f"the shards' shapes fit no global shape of layout {layout}"
+                if shape is None
+                else f"the shards' shapes do not fit global shape {shape}",
+                expected="every device's shard the block the layout gives it (torch.chunk's split)",
+                got="shapes " + ", ".join(f"{s} on device {k}" for k, s in enumerate(local_shapes)),
+                fix="pass shape= with the global shape, and each device's block of it",
+            )
+        )
+    return shape
 
 
 _BACKENDS = {

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._cache import cached
@@ -36,6 +38,10 @@ __all__ = [
     "unpad",
     "valid_mask",
     "distinct_shards",
+    "ShardInfo",
+    "shard_info",
+    "encode_shard_info",
+    "decode_shard_info",
 ]
 
 
@@ -230,3 +236,44 @@ def valid_mask(layout: Layout, global_shape: tuple[int, ...], device: str) -> to
         positions = torch.arange(padded, device=device).view(shape)
         mask = mask & (positions < sizes[:, dim].view(n, *[1] * ndim))
     return mask
+
+
+# --- what a device's shard is, for the checks of from_local -----------------------------------
+
+
+class ShardInfo(NamedTuple):
+    """A shard's metadata: what ``from_local`` compares across devices."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str  # the device type
+    requires_grad: bool
+
+
+def shard_info(t: torch.Tensor) -> ShardInfo:
+    return ShardInfo(tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad)
+
+
+#: every dtype and device type, in an order the same in every process of one torch version
+_DTYPES = tuple(sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}))
+_DEVICES = ("cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "privateuseone")
+_MAX_DIMS = 64  # torch's limit on the rank of a tensor
+
+
+def encode_shard_info(info: ShardInfo) -> torch.Tensor:
+    """``info`` as a fixed-length int64 vector (every rank's has the same length, so that one
+    all-gather collects them whatever the shards are)."""
+    shape = [*info.shape, *[-1] * (_MAX_DIMS - len(info.shape))]
+    dtype = _DTYPES.index(info.dtype) if info.dtype in _DTYPES else -1
+    device = _DEVICES.index(info.device) if info.device in _DEVICES else -1
+    return torch.tensor([len(info.shape), dtype, device, int(info.requires_grad), *shape], dtype=torch.int64)
+
+
+def decode_shard_info(code: torch.Tensor) -> ShardInfo:
+    ndim, dtype, device, requires_grad, *shape = code.tolist()
+    return ShardInfo(
+        tuple(shape[:ndim]),
+        _DTYPES[dtype] if dtype >= 0 else "another dtype",
+        _DEVICES[device] if device >= 0 else "another device type",
+        bool(requires_grad),
+    )

@@ -20,6 +20,7 @@ swap; a permutation and its inverse), so gradients of gradients are right to any
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -271,12 +272,13 @@ class _ReduceAll(AllReduce):
         return self
 
     def run(self, x):
-        self.frame.backend.count("all_reduce", self.axes, x)
+        if self.size > 1:  # a group of one device communicates nothing
+            self.frame.backend.count("all_reduce", self.axes, x)
         return blocks.reduce(x, self.op, 0)
 
     def transpose(self, g, stacked, saved):
         backend = self.frame.backend
-        if not self.frame.check_rep or self.transpose_psum:
+        if (not self.frame.check_rep or self.transpose_psum) and self.size > 1:
             backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())  # by broadcasting
         g_in = g.expand(self.size, *g.shape)  # its own transpose sums over the devices
         if self.op == "avg":
@@ -287,14 +289,16 @@ class _ReduceAll(AllReduce):
 
     def tangent(self, t, stacked, saved):
         if self.op in ("max", "min"):
-            self.frame.backend.count("all_reduce", self.axes, t)
+            if self.size > 1:
+                self.frame.backend.count("all_reduce", self.axes, t)
             return (t * self._share_of_winners(saved)).sum(0)
         return _apply(t, self, stacked)
 
     def _share_of_winners(self, saved) -> torch.Tensor:
         x, out = saved
         winners = (x == out).to(x.dtype)
-        self.frame.backend.count("all_reduce", self.axes, winners)
+        if self.size > 1:  # a group of one device communicates nothing
+            self.frame.backend.count("all_reduce", self.axes, winners)
         return winners / winners.sum(0)
 
 
@@ -308,7 +312,8 @@ class VaryHeldOnce(Pvary):
         return x.view_as(x)
 
     def transpose(self, g, stacked, saved):
-        self.frame.backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())
+        if self.size > 1:
+            self.frame.backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())
         return g
 
 
@@ -529,7 +534,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     where = "fd.ppermute"
     frame, axes = frame_for(axis_name, where)
     size = frame.mesh.axis_size(axes)
-    pairs = tuple((int(s), int(d)) for s, d in perm)
+    pairs = _pairs(perm, f"{where}(perm)")
     sources, targets = [s for s, _ in pairs], [d for _, d in pairs]
     if (
         any(not 0 <= i < size for i in sources + targets)
@@ -546,6 +551,26 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
             )
         )
     return _call(x, axis_name, where, lambda f, a: Permute(f, a, pairs))
+
+
+def _pairs(perm, where: str) -> tuple[tuple[int, int], ...]:
+    """``perm`` as ``(src, dst)`` int pairs: a list or tuple of pairs, nothing else (a dict or
+    an iterator would be read differently, or once, where a plan needs it again)."""
+    try:
+        pairs = isinstance(perm, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in perm)
+        if pairs and all(len(p) == 2 for p in perm):
+            return tuple((operator.index(s), operator.index(d)) for s, d in perm)
+    except TypeError:
+        pass
+    raise InputTypeError(
+        explain(
+            where,
+            "a permutation is a list of (source, destination) pairs of device indices",
+            expected="a list or tuple of int pairs such as [(0, 1), (1, 0)]",
+            got=repr(perm),
+            fix="write each move as a pair, e.g. [(i, p[i]) for i in range(n)] for a list p of destinations",
+        )
+    )
 
 
 # --- axis_index and axis_size -----------------------------------------------------------------

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import AxisNameError, explain
+from ._errors import AxisNameError, InputTypeError, explain
 from ._mesh import DeviceMesh
 
 __all__ = ["Frame", "bound_axes", "current_frame", "frame_for"]
@@ -65,7 +65,7 @@ def frame_for(axis_name, where: str) -> tuple[Frame, tuple[str, ...]]:
     frame = current_frame()
     if frame is not None and isinstance(axis_name, str) and axis_name in frame.mesh.axis_names:
         return frame, (axis_name,)  # the common case, checked cheaply
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    names = _axis_names(axis_name, where)
     if frame is None:
         raise AxisNameError(
             explain(
@@ -88,3 +88,20 @@ def frame_for(axis_name, where: str) -> tuple[Frame, tuple[str, ...]]:
             )
         )
     return frame, names
+
+
+def _axis_names(axis_name, where: str) -> tuple[str, ...]:
+    """``axis_name`` as a tuple of names: a name, or a tuple or list of names."""
+    if isinstance(axis_name, str):
+        return (axis_name,)
+    if isinstance(axis_name, (tuple, list)) and all(isinstance(n, str) for n in axis_name):
+        return tuple(axis_name)
+    raise InputTypeError(
+        explain(
+            f"{where}(axis_name)",
+            "collectives name mesh axes by name",
+            expected="an axis name such as 'x', or a tuple of names",
+            got=repr(axis_name),
+            fix="pass the name of the mesh axis, not its position (mesh.axis_names[i])",
+        )
+    )

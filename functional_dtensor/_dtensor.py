@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -32,12 +33,12 @@ import torch
 from . import _autograd as autograd
 from ._backend import backend_of, is_transformed
 from ._cache import cached
-from ._errors import ImmutableError, InputTypeError, ShapeError, explain
+from ._errors import ImmutableError, InputTypeError, LayoutError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec, as_layout
 from ._mesh import DeviceMesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
-from ._sharding import global_shape_of_even_local
+from ._sharding import check_rank
 from ._spec import P
 
 __all__ = [
@@ -50,7 +51,16 @@ __all__ = [
     "without_partial",
     "check_mesh",
     "storage_of",
+    "check_tensor",
+    "TORCH_DTENSOR_FIX",
 ]
+
+
+#: how to bring a torch.distributed.tensor.DTensor over: its global value, or its shard
+TORCH_DTENSOR_FIX = (
+    "pass its global value x.full_tensor(), or its shard: "
+    "fd.from_local(x.to_local(), mesh, placements, shape=tuple(x.shape))"
+)
 
 
 @public
@@ -312,18 +322,32 @@ class _FullTensor(torch.autograd.Function):
         return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
 
 
-def _check_tensor(value, where: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise InputTypeError(
-            explain(
-                where,
-                "a tensor is needed",
-                expected="a torch.Tensor",
-                got=type(value).__name__,
-                fix="convert it with torch.as_tensor(...) first",
-            )
+def check_tensor(value, where: str, *, torch_dtensor_fix: str) -> torch.Tensor:
+    """``value`` if it is a plain tensor; otherwise an error that names the conversion
+    (``torch_dtensor_fix``: the one for a ``torch.distributed.tensor.DTensor``)."""
+    if isinstance(value, torch.Tensor) and not _is_torch_dtensor(value):
+        return value
+    if isinstance(value, DTensor):
+        what, fix = (
+            "the value is already an fd.DTensor",
+            "use it as it is, fd.redistribute(x, placements) for another layout, or x.local_shards() "
+            "(x.to_local() on the distributed backend) for its shards",
         )
-    return value
+    elif _is_torch_dtensor(value):
+        what, fix = "a torch DTensor is not a plain tensor", torch_dtensor_fix
+    else:
+        what, fix = "a tensor is needed", "convert it with torch.as_tensor(...) first"
+    got = f"{type(value).__module__}.{type(value).__name__}" if isinstance(value, torch.Tensor) else None
+    raise InputTypeError(
+        explain(where, what, expected="a torch.Tensor", got=got or type(value).__name__, fix=fix)
+    )
+
+
+def _is_torch_dtensor(value) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (a torch.Tensor subclass
+    whose data is its local shard alone)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def check_mesh(mesh, where: str) -> DeviceMesh:
@@ -343,6 +367,16 @@ def check_mesh(mesh, where: str) -> DeviceMesh:
 def layout_for(mesh, placements: PlacementsOrSpec, ndim: int, api: str) -> Layout:
     """The normalized layout that ``api`` was given for an ``ndim``-d tensor on ``mesh``."""
     mesh = check_mesh(mesh, f"{api}(device_mesh)")
+    if isinstance(placements, P) and len(placements) > ndim:
+        raise LayoutError(
+            explain(
+                f"{api}(placements)",
+                "the spec has more entries than the tensor has dims",
+                expected=f"at most {ndim} entries, one per dim",
+                got=f"{placements!r} ({len(placements)} entries) for a {ndim}-d tensor",
+                fix="drop the extra entries, or reshape the tensor first",
+            )
+        )
     layout = as_layout(mesh, placements, where=f"{api}(placements)")
     return layout.normalized(ndim, where=api)
 
@@ -372,7 +406,7 @@ def distribute_tensor(
                 fix="use fd.redistribute(x, placements) to change its layout",
             )
         )
-    tensor = _check_tensor(tensor, f"{api}(tensor)")
+    tensor = check_tensor(tensor, f"{api}(tensor)", torch_dtensor_fix=TORCH_DTENSOR_FIX)
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
     moved = tensor.to(layout.mesh.device_type)
     storage = distribute_storage(moved, layout, copy=copy and moved is tensor)
@@ -392,9 +426,11 @@ def from_local(
 
     On the distributed backend pass this rank's shard. On the simulated backend pass one tensor
     per device (a list in flat mesh order), or a single tensor that every device holds (what each
-    rank would pass in an SPMD program). Without ``shape`` the split is taken to be even; give
-    ``shape`` for uneven layouts. ``run_check`` verifies that the shards agree with the layout
-    (shapes, and equal values across Replicate axes).
+    rank would pass in an SPMD program). Without ``shape`` the global shape is found from every
+    device's shard (on the distributed backend, by one small all-gather: every rank agrees, uneven
+    splits included); give ``shape`` to skip that. ``run_check`` verifies
+    that the shards agree with each other and with the layout: their dtype, device type, rank,
+    shapes and ``requires_grad``, and equal values across Replicate axes.
 
     The value shares no memory with the local tensors given (differentiably: gradients flow
     back to them); ``copy=False`` skips that copy where the backend can hold a given tensor as
@@ -402,9 +438,13 @@ def from_local(
     not modify again.
     """
     api = "fd.from_local"
+    fix = "pass its shard, x.to_local(), with shape=tuple(x.shape)"
     mesh = check_mesh(device_mesh, f"{api}(device_mesh)")
     if isinstance(local_tensor, (list, tuple)):
-        shards = [_check_tensor(t, f"{api}(local_tensor[{k}])") for k, t in enumerate(local_tensor)]
+        shards = [
+            check_tensor(t, f"{api}(local_tensor[{k}])", torch_dtensor_fix=fix)
+            for k, t in enumerate(local_tensor)
+        ]
         if not shards:
             raise ShapeError(
                 explain(
@@ -416,23 +456,14 @@ def from_local(
                 )
             )
     else:
-        shards = [_check_tensor(local_tensor, f"{api}(local_tensor)")]
+        shards = [check_tensor(local_tensor, f"{api}(local_tensor)", torch_dtensor_fix=fix)]
     ndim = shards[0].dim()
     layout = layout_for(mesh, placements, ndim, api)
-    if shape is None:
-        shape = global_shape_of_even_local(layout, tuple(shards[0].shape))
-    shape = tuple(shape)
-    if len(shape) != ndim:
-        raise ShapeError(
-            explain(
-                f"{api}(shape)",
-                "the global shape has the rank of the local shards",
-                expected=f"{ndim} sizes",
-                got=repr(shape),
-                fix="give the global shape of the value the shards make up",
-            )
-        )
-    storage = backend_of(mesh).from_local(shards, layout, shape, run_check=run_check, copy=copy, where=api)
+    shape = None if shape is None else tuple(shape)
+    if shape is not None and not run_check:  # with run_check, every process checks every shard
+        check_rank(shape, ndim, f"{api}(shape)")
+    backend = backend_of(mesh)
+    storage, shape = backend.from_local(shards, layout, shape, run_check=run_check, copy=copy, where=api)
     return DTensor(storage, layout, shape)
 
 

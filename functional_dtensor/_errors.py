@@ -19,6 +19,7 @@ __all__ = [
     "AxisNameError",
     "CommunicationError",
     "ImmutableError",
+    "BatchedFunctionError",
     "explain",
 ]
 
@@ -68,6 +69,11 @@ class ImmutableError(FunctionalDTensorError, RuntimeError, AttributeError):
     """A value would be changed in place: an ``fd.DTensor`` (which has no in-place methods) or
     an input of a ``shard_map``'d function (inputs are values). Also an ``AttributeError``, as
     the answer to looking up an in-place method such as ``x.add_``."""
+
+
+class BatchedFunctionError(FunctionalDTensorError, RuntimeError):
+    """The per-device function reads a value into Python (``.item()``, ``if x > 0:``) on the
+    simulated backend, where it runs once, batched over every device."""
 
 
 def explain(where: str, what: str, *, expected: str, got: str, fix: str) -> str:

@@ -12,6 +12,7 @@ S(0)S(1) -> S(1)S(0): 1 step, 64 B received per device (lower bound 64 B)
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import NamedTuple
 
 import torch
@@ -28,15 +29,17 @@ __all__ = ["explain_redistribute", "PlanReport"]
 @public
 class PlanReport(NamedTuple):
     """What :func:`explain_redistribute` found: the steps, the bytes each step makes a device
-    receive (and send), their total and the lower bound, all per device."""
+    receive (and send), their total and the lower bound, all per device; exact fractions (a
+    collective over 3 devices can move a third of a block's bytes), printed with two decimals
+    where not whole."""
 
     source: Layout
     target: Layout
     shape: tuple[int, ...]
     steps: tuple[Step, ...]
-    step_bytes: tuple[int, ...]
-    total_bytes: int
-    lower_bound: int
+    step_bytes: tuple[Fraction, ...]
+    total_bytes: Fraction
+    lower_bound: Fraction
 
     @property
     def summary(self) -> str:
@@ -119,8 +122,8 @@ def explain_redistribute(
     return report
 
 
-def _size(nbytes: int) -> str:
+def _size(nbytes: Fraction) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
+            return f"{float(nbytes / scale):.2f} {unit}"
+    return f"{int(nbytes)} B" if nbytes == int(nbytes) else f"{float(nbytes):.2f} B"

@@ -14,22 +14,52 @@ torch.Size([2, 2])
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ._backend import backend_of
 from ._dtensor import DTensor, layout_for
+from ._errors import InputTypeError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
 
 
-def _shape(size) -> tuple[int, ...]:
-    return (
-        tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
-    )
+def _shape(size: tuple, api: str) -> tuple[int, ...]:
+    """The global shape from a factory's sizes: ints (``zeros(2, 3)``) or one sequence of them
+    (``zeros((2, 3))``), each at least 0."""
+    sizes = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+    try:
+        shape = tuple(operator.index(n) for n in sizes)
+    except TypeError:
+        shape = None
+    if shape is None or any(n < 0 for n in shape):
+        raise (InputTypeError if shape is None else ShapeError)(
+            explain(
+                f"{api}(size)",
+                "a global shape is a sequence of sizes of 0 or more",
+                expected="ints of 0 or more, given as separate arguments or as one tuple",
+                got=repr(sizes if len(size) == 1 else size),
+                fix=f"e.g. {api}((4, 8), mesh=..., placements=...)",
+            )
+        )
+    return shape
+
+
+def _check_dtype(dtype, api: str) -> None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise InputTypeError(
+            explain(
+                f"{api}(dtype)",
+                "a dtype is a torch.dtype",
+                expected="None or a torch.dtype such as torch.float32",
+                got=repr(dtype),
+                fix=f"pass torch.{dtype}" if isinstance(dtype, str) else "pass a torch.dtype",
+            )
+        )
 
 
 def _build(
@@ -50,7 +80,8 @@ def _factory(name: str, doc: str, blocks_for):
         dtype: torch.dtype | None = None,
         requires_grad: bool = False,
     ) -> DTensor:
-        shape = _shape(size)
+        shape = _shape(size, f"fd.{name}")
+        _check_dtype(dtype, f"fd.{name}")
         layout = layout_for(mesh, placements, len(shape), f"fd.{name}")
         storage = _build(layout, shape, blocks_for(layout, dtype))
         return DTensor(storage.requires_grad_(requires_grad), layout, shape)
@@ -100,7 +131,7 @@ randn = _random("randn", torch.randn)
 
 
 def full(
-    size: Sequence[int],
+    size: int | Sequence[int],
     fill_value,
     *,
     mesh: DeviceMesh,
@@ -109,7 +140,8 @@ def full(
     requires_grad: bool = False,
 ) -> DTensor:
     """A global value of shape ``size`` filled with ``fill_value``, materializing only shards."""
-    shape = tuple(size)
+    shape = _shape((size,), "fd.full")
+    _check_dtype(dtype, "fd.full")
     layout = layout_for(mesh, placements, len(shape), "fd.full")
     device = layout.mesh.device_type
     storage = _build(layout, shape, lambda s, shard: torch.full(s, fill_value, dtype=dtype, device=device))

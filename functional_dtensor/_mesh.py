@@ -30,7 +30,7 @@ from typing import Literal, TypeAlias
 from ._errors import InputTypeError, MeshError, explain
 from ._public import public
 
-__all__ = ["DeviceMesh", "simulated_mesh", "Backend"]
+__all__ = ["DeviceMesh", "simulated_mesh", "Backend", "check_device_type"]
 
 Backend: TypeAlias = Literal["simulated", "distributed"]
 BACKENDS: tuple[str, ...] = ("simulated", "distributed")
@@ -272,13 +272,47 @@ def simulated_mesh(
     Every device's shard is held in one stacked tensor, so that one tensor op serves all
     devices: meshes of 64 or more devices are practical.
     """
+    device_type = check_device_type(device_type, "fd.simulated_mesh")
     return DeviceMesh(_as_tuple(shape), _as_tuple(axis_names), device_type, "simulated")
 
 
 def _as_tuple(value):
-    if isinstance(value, (str, int)):
+    """A tuple of ``value``'s entries, or of ``value`` itself where it is a single one (an int,
+    a name, or anything not iterable: ``DeviceMesh`` then says what is wrong with it)."""
+    if isinstance(value, (str, int)) or not hasattr(value, "__iter__"):
         return (value,)
     return tuple(value)
+
+
+def check_device_type(device_type, where: str) -> str:
+    """``device_type`` if this process has such devices: ``'cpu'``, or an accelerator type
+    (``'cuda'``, ``'cuda:1'``) whose torch module says it is available."""
+    import torch
+
+    try:
+        kind = torch.device(device_type).type
+    except (RuntimeError, TypeError):
+        raise MeshError(
+            explain(
+                f"{where}(device_type)",
+                "unknown device type",
+                expected="a torch device type such as 'cpu' or 'cuda'",
+                got=repr(device_type),
+                fix="use 'cuda' for NVIDIA and AMD GPUs, 'cpu' otherwise",
+            )
+        ) from None
+    module = getattr(torch, kind, None)
+    if kind != "cpu" and not (hasattr(module, "is_available") and module.is_available()):
+        raise MeshError(
+            explain(
+                f"{where}(device_type)",
+                f"this process has no {kind} device",
+                expected=f"a device type available here ({kind} available: False)",
+                got=repr(device_type),
+                fix="use device_type='cpu', or run where the device and its torch build are",
+            )
+        )
+    return device_type
 
 
 def _axis_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ step                what it does                           bytes received per de
                     innermost of their dims), one
                     collective over their flattened group
 ``AllReduce``       Partial -> Replicate on axes G          ``2 (k-1)/k b``
-``ReduceScatter``   Partial -> Shard(d) on axes G           ``(k-1)/k b``
+``ReduceScatter``   Partial -> Shard(d) on axes G (an       ``(k-1)/k b`` (``b`` padded to a
+                    uneven d: on one axis, padded)          multiple of ``k`` along d)
 ``AllToAll``        Shard(i) -> Shard(j) on axes G          ``(k-1)/k b``
 ``Swap``            exchange the placements of two axes     ``b`` (a block permutation)
                     of equal size (a point-to-point move)
@@ -22,13 +23,17 @@ step                what it does                           bytes received per de
                     on two axes of equal size               the diagonal, a broadcast from it
 ``Slice``           Replicate -> Shard(d): a local slice    0
 ``Partition``       Replicate -> Partial: local             0
+``Relabel``         placements on axes of size 1 change:    0
+                    every device keeps its block
 ``Regather``        any -> any, uneven shards: assemble     ``2 (p-1)/p b + (s-1) b`` (padded
                     the value, keep the target block       blocks, ``p`` partial, ``s`` shard)
 ==================  =====================================  ======================================
 
 (``k``: the number of devices in the step's group, ``b``: the bytes of a device's block before
-the step.) A new Shard axis becomes the innermost of its dim. Partial axes reduce as the global
-value defines them, one at a time in mesh order: an axis is reduced before one that comes
+the step; costs are exact fractions, never rounded. A collective that would move nothing, over
+axes of size 1 or a permutation of each device to itself, is planned as a ``Relabel``.) A new
+Shard axis becomes the innermost of its dim. Partial axes reduce as the global value defines
+them, one at a time in mesh order: an axis is reduced before one that comes
 earlier only where their reductions commute (``sum`` and ``avg`` of floating values; equal
 ``max`` or ``min``); an integer ``avg`` is reduced one axis at a time. Plans are cached by value
 in a bounded cache.
@@ -47,6 +52,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ._cache import cached
 from ._layout import Layout
@@ -64,6 +70,7 @@ __all__ = [
     "ReduceBroadcast",
     "Slice",
     "Partition",
+    "Relabel",
     "Regather",
     "plan",
     "step_bytes",
@@ -152,6 +159,12 @@ class Partition(Step):
 
 
 @dataclass(frozen=True, slots=True)
+class Relabel(Step):
+    """Every device keeps its block: only placements on mesh axes of size 1 (or the order of
+    such axes in a dim) change. Local, no communication."""
+
+
+@dataclass(frozen=True, slots=True)
 class Regather(Step):
     collective = "all_reduce+all_gather"
 
@@ -163,30 +176,36 @@ def _block_bytes(layout: Layout, shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(shard_table(layout, shape).padded_shape) * itemsize
 
 
-def step_bytes(step: Step, shape: tuple[int, ...], itemsize: int) -> int:
+def step_bytes(step: Step, shape: tuple[int, ...], itemsize: int) -> Fraction:
     """The most bytes any one device receives in ``step`` (and, these patterns being
-    symmetric, sends)."""
+    symmetric, sends): exact, a fraction where the group size does not divide the block (an
+    all-reduce of 4 bytes over 3 devices receives 16/3 bytes per device, on average)."""
     b = _block_bytes(step.source, shape, itemsize)
     k = step.group_size
+    if isinstance(step, Relabel):
+        return Fraction(0)
     if isinstance(step, AllGather):
-        return (k - 1) * b
+        return Fraction((k - 1) * b)
     if isinstance(step, AllReduce):
-        return 2 * (k - 1) * b // k
-    if isinstance(step, (ReduceScatter, AllToAll)):
-        return (k - 1) * b // k
+        return Fraction(2 * (k - 1) * b, k)
+    if isinstance(step, ReduceScatter):  # the dim scattered padded to a multiple of k
+        size = shard_table(step.source, shape).padded_shape[step.dim]
+        return Fraction((k - 1) * (b // size if size else 0) * -(-size // k) * k, k)
+    if isinstance(step, AllToAll):
+        return Fraction((k - 1) * b, k)
     if isinstance(step, (Swap, Permute)):
-        return b
+        return Fraction(b)
     if isinstance(step, ReduceBroadcast):
-        return (step.source.mesh.shape[step.axes[0]] - 1) * b
+        return Fraction((step.source.mesh.shape[step.axes[0]] - 1) * b)
     if isinstance(step, Regather):  # what it runs: padded blocks all-reduced, then all-gathered
         mesh, placements = step.source.mesh, step.source.placements
         partial = math.prod([mesh.shape[a] for a, p in enumerate(placements) if isinstance(p, Partial)])
         sharded = math.prod([mesh.shape[a] for a, p in enumerate(placements) if isinstance(p, Shard)])
-        return 2 * (partial - 1) * b // partial + (sharded - 1) * b
-    return 0
+        return Fraction(2 * (partial - 1) * b, partial) + (sharded - 1) * b
+    return Fraction(0)
 
 
-def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int) -> int:
+def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int) -> Fraction:
     """A lower bound on the bytes some device must receive: every element of its target block
     that it does not hold (all of them, where a Partial source must be reduced over ``k > 1``
     devices); and the standard bounds of that reduction, on target blocks of ``d`` bytes:
@@ -201,7 +220,7 @@ def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize
         if isinstance(p, Partial) and p != q and mesh.shape[a] > 1
     ]
     src, dst = shard_table(source, shape), shard_table(target, shape)
-    need = 0
+    need = Fraction(0)
     for device in range(mesh.size):
         size = math.prod(dst.local_shapes[device])
         if not reduced:
@@ -218,9 +237,9 @@ def lower_bound(source: Layout, target: Layout, shape: tuple[int, ...], itemsize
     k = math.prod([mesh.shape[a] for a in reduced])
     d = _block_bytes(target, shape, itemsize)
     if all(isinstance(target.placements[a], Replicate) for a in reduced):
-        return max(need, 2 * (k - 1) * d // k)
+        return max(need, Fraction(2 * (k - 1) * d, k))
     if all(isinstance(target.placements[a], Shard) for a in reduced):
-        return max(need, (k - 1) * d)
+        return max(need, Fraction((k - 1) * d))
     return need
 
 
@@ -374,7 +393,8 @@ def plan(
         return ()
     mesh = source.mesh
     if not (shard_table(source, shape).is_even and shard_table(target, shape).is_even):
-        return (Regather(source, target, tuple(range(mesh.ndim))),)
+        scatter = _uneven_reduce_scatter(source, target, len(shape), integral)
+        return (scatter or Regather(source, target, tuple(range(mesh.ndim))),)
     ndim = len(shape)
     start, goal = _state(source, ndim), _state(target, ndim)
     replicated_goal = (tuple(Replicate() if p.is_partial() else p for p in goal[0]), goal[1])
@@ -398,12 +418,43 @@ def plan(
             step = kind(
                 _layout(mesh, placements, orders), _layout(mesh, after, after_orders), tuple(axes), **fields
             )
-            price = (cost + step_bytes(step, shape, itemsize), count + (1 if kind.collective else 0))
+            if kind.collective and _moves_nothing(step):
+                step = Relabel(step.source, step.target, step.axes)
+            price = (cost + step_bytes(step, shape, itemsize), count + (1 if step.collective else 0))
             key = (after, after_orders)
             if price < best.get(key, (math.inf, math.inf)):
                 best[key] = price
                 heapq.heappush(queue, (*price, next(tie), key, (*steps, step)))
     return (Regather(source, target, tuple(range(mesh.ndim))),)
+
+
+def _uneven_reduce_scatter(source: Layout, target: Layout, ndim: int, integral: bool) -> ReduceScatter | None:
+    """Partial(op) -> Shard(d) on one axis, every other placement kept, where ``d`` splits
+    unevenly and was whole: one reduce_scatter of blocks padded to a multiple of the axis size
+    (torch.chunk's blocks are the first rows of each padded block), or None."""
+    changed = [a for a, (p, q) in enumerate(zip(source.placements, target.placements)) if p != q]
+    if len(changed) != 1:  # over several axes torch.chunk nests: no padded flat split
+        return None
+    sources = {source.placements[a] for a in changed}
+    targets = {target.placements[a] for a in changed}
+    if len(sources) != 1 or len(targets) != 1:
+        return None
+    (p,), (q,) = sources, targets
+    if not (isinstance(p, Partial) and p.op in ("sum", "avg") and isinstance(q, Shard)):
+        return None
+    if source.sharding_axes(q.dim) or not _reducible(source.placements, tuple(changed), p.op, integral):
+        return None
+    if any(target.sharding_axes(d) != source.sharding_axes(d) for d in range(ndim) if d != q.dim):
+        return None
+    return ReduceScatter(source, target, target.sharding_axes(q.dim), dim=q.dim, op=p.op)
+
+
+def _moves_nothing(step: Step) -> bool:
+    """Whether every device keeps its block in ``step``: a collective over mesh axes of size 1,
+    or a permutation whose pairs are all a device to itself."""
+    if isinstance(step, (Permute, Swap)):
+        return all(src == dst for src, dst in permutation_pairs(step.source, step.target))
+    return step.group_size == 1
 
 
 # --- block permutations ------------------------------------------------------------------------

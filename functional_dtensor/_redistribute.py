@@ -36,6 +36,7 @@ from ._plan import (
     Permute,
     ReduceBroadcast,
     ReduceScatter,
+    Relabel,
     Slice,
     Step,
     Swap,
@@ -161,9 +162,14 @@ def run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return _merge_blocks(gathered, step, 1 if backend.stacked else 0)
     if isinstance(step, AllReduce):
         return backend.all_reduce(x, mesh, names, step.op)
-    if isinstance(step, ReduceScatter):
+    if isinstance(step, ReduceScatter):  # an uneven dim: padded to a multiple of the group
+        padded = list(backend.padded(x, step.source, shape).shape)
+        k, lead = step.group_size, len(padded) - len(shape)
+        padded[lead + step.dim] = -(-padded[lead + step.dim] // k) * k
+        x = blocks.pad(backend.padded(x, step.source, shape), tuple(padded))
         out = backend.reduce_scatter(x, mesh, names, step.dim, True)
-        return blocks.average(out, step.group_size) if step.op == "avg" else out
+        out = blocks.average(out, step.group_size) if step.op == "avg" else out
+        return backend.unpadded(out, step.target, shape)
     if isinstance(step, AllToAll):
         return backend.all_to_all(x, mesh, names, step.split, step.concat, True)
     if isinstance(step, Swap):
@@ -178,6 +184,8 @@ def run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return backend.slice(x, mesh, names, step.dim)
     if isinstance(step, Partition):
         return backend.partition(x, mesh, names, step.op)
+    if isinstance(step, Relabel):
+        return x
     return backend.regather(x, step.source, step.target, shape)
 
 

@@ -30,7 +30,15 @@ from ._backend import backend_of, memory_of
 from ._cache import cached
 from ._collectives import Pvary, SplitCotangent, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
-from ._dtensor import DTensor, check_mesh, distribute_storage, gather_storage, storage_of
+from ._dtensor import (
+    TORCH_DTENSOR_FIX,
+    DTensor,
+    check_mesh,
+    check_tensor,
+    distribute_storage,
+    gather_storage,
+    storage_of,
+)
 from ._errors import FunctionalDTensorError, ImmutableError, InputTypeError, MeshError, SpecError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
@@ -99,10 +107,25 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, check_rep=True):
     mapping = _Mapping(f, mesh, in_specs, out_specs, check_rep)
 
     @functools.wraps(f)
-    def mapped(*args):
+    def mapped(*args, **kwargs):
+        if kwargs:
+            raise _keyword_arguments_error(kwargs)
         return _run(mapping, args)
 
     return mapped
+
+
+def _keyword_arguments_error(kwargs: dict) -> InputTypeError:
+    names = ", ".join(kwargs)
+    return InputTypeError(
+        explain(
+            "fd.shard_map(f)(**kwargs)",
+            "a shard_map'd function takes positional arguments only (in_specs describes them)",
+            expected="no keyword arguments",
+            got=f"keyword arguments {names}",
+            fix=f"pass them positionally, or bind them first: functools.partial(f, {names}=...)",
+        )
+    )
 
 
 class _Mapping:
@@ -265,6 +288,8 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
     storage (stacked shards, or this rank's shard). Where the backend holds values the same on
     every device once, a replicated argument enters as one value."""
     mesh, backend, check_rep = m.mesh, m.backend, m.check_rep
+    if isinstance(value, (bool, int, float, complex)) and not plan.specs[i]:  # with spec P(): 0-d (as JAX)
+        value = torch.tensor(value)
     if isinstance(value, DTensor):
         key = None if torch.compiler.is_compiling() else (value.layout, value.shape)  # (unhashable there)
         layout = None if key is None else plan.layouts[i].get(key)
@@ -276,6 +301,7 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
         if layout.is_replicated and backend.holds_replicas_once:
             return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
     elif isinstance(value, torch.Tensor):
+        check_tensor(value, f"fd.shard_map({plan.paths[i]})", torch_dtensor_fix=TORCH_DTENSOR_FIX)
         key = value.shape
         layout = plan.layouts[i].get(key)
         if layout is None:
@@ -436,6 +462,8 @@ def _leave(m: _Mapping, outputs, compiling: bool):
             flat.append(value)
             layouts.append(None)
             continue
+        if isinstance(value, (bool, int, float, complex)) and not spec:  # with spec P(): 0-d (as JAX)
+            value = torch.tensor(value, device=m.mesh.device_type)
         if not isinstance(value, torch.Tensor):
             raise InputTypeError(
                 explain(

@@ -19,7 +19,15 @@ from ._cache import cached
 from ._errors import ShapeError, explain
 from ._layout import Layout
 
-__all__ = ["chunk", "ShardTable", "shard_table", "global_shape_of_even_local", "check_divisible"]
+__all__ = [
+    "chunk",
+    "ShardTable",
+    "shard_table",
+    "global_shape_of_even_local",
+    "global_shape_of_local",
+    "check_rank",
+    "check_divisible",
+]
 
 
 def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -74,6 +82,41 @@ def global_shape_of_even_local(layout: Layout, local_shape: tuple[int, ...]) -> 
     return tuple(
         [n * math.prod([sizes[a] for a in layout.sharding_axes(d)]) for d, n in enumerate(local_shape)]
     )
+
+
+def global_shape_of_local(layout: Layout, local_shapes) -> tuple[int, ...] | None:
+    """The global shape whose split gives device ``k`` the local shape ``local_shapes[k]`` (every
+    device's, in flat mesh order), or None where no shape does: along each dim, the sizes of
+    its distinct blocks added up (the devices at coordinate 0 of the axes that do not split it)."""
+    mesh = layout.mesh
+    if len({len(s) for s in local_shapes}) != 1 or len(local_shapes) != mesh.size:
+        return None
+    shape = []
+    for dim in range(len(local_shapes[0])):
+        axes = layout.sharding_axes(dim)
+        total = 0
+        for device, local in enumerate(local_shapes):
+            coordinate = mesh.coordinate(device)
+            if all(c == 0 for a, c in enumerate(coordinate) if a not in axes):
+                total += local[dim]
+        shape.append(total)
+    shape = tuple(shape)
+    fits = shard_table(layout, shape).local_shapes == tuple(tuple(s) for s in local_shapes)
+    return shape if fits else None
+
+
+def check_rank(shape: tuple[int, ...], ndim: int, where: str) -> None:
+    """Raise unless the global ``shape`` has the rank ``ndim`` of the local shards."""
+    if len(shape) != ndim:
+        raise ShapeError(
+            explain(
+                where,
+                "the global shape has the rank of the local shards",
+                expected=f"{ndim} sizes",
+                got=repr(shape),
+                fix="give the global shape of the value the shards make up",
+            )
+        )
 
 
 @cached(4096)

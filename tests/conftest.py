@@ -32,7 +32,11 @@ settings.register_profile("dev", max_examples=100, deadline=None, suppress_healt
 settings.register_profile(
     "ci", max_examples=100, deadline=None, derandomize=True, suppress_health_check=SUPPRESSED
 )
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+# a long, randomized run of the property tests: FD_PROFILE=long python -m pytest ... (docs/testing)
+settings.register_profile(
+    "long", max_examples=5000, deadline=None, derandomize=False, suppress_health_check=SUPPRESSED
+)
+settings.load_profile(os.environ.get("FD_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def pytest_configure(config):

@@ -212,9 +212,10 @@ def check_collectives(backend, mesh: Mesh, names_to_run, dtype: str, check_rep: 
                     block(answer["full"], mesh.shape, mesh.names, spec, coordinate), want, f"{at}, {p}"
                 )
             checked += 1
-        op = RUNS.get(name)
+        group = math.prod([mesh.shape[mesh.names.index(a)] for a in axes])
+        op = RUNS.get(name) if group > 1 else None  # a group of one device communicates nothing
         nbytes = x.element_size() * x.numel() // mesh.size
-        for answer in answers:  # one collective (over a group of one device too), or none
+        for answer in answers:  # one collective, or none
             assert answer["events"] == ([] if op is None else [(op, axes, nbytes)]), f"{name} over {axes}"
         if "grad" in answers[0]:
             check_gradients(mesh, name, axes, check_rep, x, answers, sim[k] if sim else None)
@@ -483,3 +484,58 @@ def test_collective_shape_errors():
     check(fd.ShapeError, ValueError, lambda: h(torch.ones(4)), "perm")
     k = mapped(lambda x: fd.all_gather(x, "x", axis=3))
     check(fd.ShapeError, ValueError, lambda: k(torch.ones(4)), "axis")
+
+
+def _on_one_device_axis(v):
+    """Every collective over 'y', an axis of size 1."""
+    return (
+        fd.psum(v, "y"),
+        fd.pmax(v, "y"),
+        fd.all_gather(v, "y"),
+        fd.all_gather(v, "y", axis=1, tiled=True),
+        fd.psum_scatter(v[None], "y"),
+        fd.psum_scatter(v, "y", scatter_dimension=1, tiled=True),
+        fd.all_to_all(v[:, None], "y", 1, 0),
+        fd.all_to_all(v, "y", 1, 0, tiled=True),
+        fd.ppermute(v, "y", [(0, 0)]),
+        fd.ppermute(v, "y", []),
+        fd.psum(v, ("x", "y")),
+    )
+
+
+def job_size_1_axis(mesh, check_rep: bool) -> dict:
+    f = fd.shard_map(
+        _on_one_device_axis, mesh=mesh, in_specs=fd.P("x"), out_specs=fd.P(("x", "y")), check_rep=check_rep
+    )
+    x = torch.arange(24.0).reshape(4, 6).requires_grad_()
+    with fd.CommDebugMode() as comm:
+        outs = f(x)
+    loss = sum((o.full_tensor() * (k + 1)).sum() for k, o in enumerate(outs))
+    (grad,) = torch.autograd.grad(loss, x)
+    return {"outs": [o.full_tensor().detach() for o in outs], "events": events(comm), "grad": grad}
+
+
+@pytest.mark.meshes((2, 1))
+@pytest.mark.parametrize("check_rep", [True, False])
+def test_a_collective_over_an_axis_of_size_1_never_communicates(backend, mesh, check_rep):
+    """Each collective over a group of one device is its local form: no collective runs (only
+    the psum over ('x', 'y'), a group of 2), and values and gradients are those of one device."""
+    x = torch.arange(24.0).reshape(4, 6).requires_grad_()
+    blocks = x.reshape(2, 2, 6)
+    summed = blocks.sum(0)
+    reference = [x] * 9 + [torch.zeros_like(x), torch.cat([summed, summed])]  # one device's values
+    loss = sum((o * (k + 1)).sum() for k, o in enumerate(reference))
+    (want_grad,) = torch.autograd.grad(loss, x)
+    x, summed = x.detach(), summed.detach()
+    for p, got in enumerate(backend.run(job_size_1_axis, mesh.shape, mesh.names, check_rep)):
+        outs = got["outs"]
+        for k in (0, 1, 3, 5, 7, 8):
+            assert torch.equal(outs[k], x), (p, k)
+        assert outs[2].shape == (2, 2, 6) and torch.equal(outs[2].reshape(4, 6), x), p  # a new dim of 1
+        assert torch.equal(outs[4], x) and torch.equal(outs[6].reshape(4, 6), x), p
+        assert torch.equal(outs[9], torch.zeros_like(x)), p
+        assert torch.equal(outs[10], torch.cat([summed, summed])), p
+        assert [(op, axes) for op, axes, _ in got["events"]] == [("all_reduce", ("x", "y"))], (
+            p,
+            got["events"],
+        )

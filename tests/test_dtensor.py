@@ -618,3 +618,128 @@ def test_vmap_of_distribute_and_full_tensor(backend, mesh):
     for p, got in enumerate(backend.run(job_vmap_full_tensor, mesh.shape, mesh.names)):
         assert isinstance(got, torch.Tensor), f"process {p}:\n{got}"
         assert torch.equal(got, torch.arange(16.0).reshape(2, 4, 2)), p
+
+
+# ---------------------------------------------------------------------------------------------
+# from_local: every process agrees on the global shape, or every process raises.
+
+
+UNEVEN = [  # (spec over the mesh's names, global shape): splits of torch.chunk that are uneven
+    (lambda names: fd.P(names[0]), (5, 3)),
+    (lambda names: fd.P(None, tuple(names)), (2, 7)),
+    (lambda names: fd.P(names[-1], names[0]) if len(names) > 1 else fd.P(None, names[0]), (3, 5)),
+]
+
+
+def job_from_local_uneven(mesh) -> list:
+    """Uneven shards without ``shape``: the global shape comes from every device's shard."""
+    out = []
+    for spec_of, shape in UNEVEN:
+        spec = spec_of(mesh.axis_names)
+        value = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        shards = [block(value, mesh.shape, mesh.axis_names, spec, c) for c in coordinates(mesh.shape)]
+        x = fd.from_local(local_of(mesh, shards), mesh, spec)
+        out.append({"shape": tuple(x.shape), "full": x.full_tensor()})
+    return out
+
+
+@pytest.mark.meshes((2,), (4,), (2, 2))
+def test_from_local_of_uneven_shards_agrees_on_the_global_shape(backend, mesh):
+    """Regression: each rank took its own shard for an even split's, and the ranks built
+    values of different shapes (uninitialised memory on one, an abort on the other)."""
+    for p, results in enumerate(backend.run(job_from_local_uneven, mesh.shape, mesh.names)):
+        for (_, shape), got in zip(UNEVEN, results, strict=True):
+            value = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+            assert got["shape"] == shape and torch.equal(got["full"], value), (p, shape)
+
+
+MISMATCHES = {  # what differs on the last device, and the error every process must raise
+    "dtype": ("InputTypeError", "dtype differs", lambda t: t.double()),
+    "requires_grad": ("InputTypeError", "requires_grad differs", lambda t: t.requires_grad_()),
+    "device": ("InputTypeError", "device type differs", lambda t: t.to("meta")),
+    "rank": ("ShapeError", "ndim differs", lambda t: t.unsqueeze(-1)),
+    "trailing shape": ("ShapeError", "fit no global shape", lambda t: torch.cat([t, t], 1)),
+    "sharded size": ("ShapeError", "fit no global shape", lambda t: torch.cat([t, t], 0)),
+}
+
+
+def job_from_local_mismatch(mesh, what: str, shape_given: bool) -> str:
+    shards = [torch.full((2, 3), float(d)) for d in range(mesh.size)]
+    shards[-1] = MISMATCHES[what][2](shards[-1])
+    shape = (2 * mesh.size, 3) if shape_given else None
+    try:
+        fd.from_local(local_of(mesh, shards), mesh, fd.P(mesh.axis_names), shape=shape, run_check=True)
+    except fd.FunctionalDTensorError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.meshes((2,), (4,))
+@pytest.mark.parametrize("what", list(MISMATCHES))
+@pytest.mark.parametrize("shape_given", [False, True], ids=["no-shape", "shape"])
+def test_from_local_run_check_finds_shards_that_disagree(backend, mesh, what, shape_given):
+    """Every process raises the same error (none waits in a collective for a peer that left),
+    naming the property and the device."""
+    error, text, _ = MISMATCHES[what]
+    if shape_given and what in ("trailing shape", "sharded size"):
+        text = "do not fit global shape"
+    for p, got in enumerate(backend.run(job_from_local_mismatch, mesh.shape, mesh.names, what, shape_given)):
+        assert got.startswith(f"{error}: fd.from_local(local_tensor)") and text in got, (p, got)
+        assert f"device {mesh.size - 1}" in got, (p, got)
+
+
+def job_to_local_of_another_device(mesh) -> list[str]:
+    x = fd.distribute_tensor(torch.arange(8.0), mesh, fd.P("x"))
+    out = []
+    for device in range(mesh.size):
+        try:
+            out.append(x.to_local(device=device).tolist())
+        except fd.FunctionalDTensorError as e:
+            out.append(type(e).__name__)
+    return out
+
+
+@pytest.mark.meshes((2,), (4,))
+def test_to_local_of_a_device_this_process_does_not_hold_is_an_error(backend, mesh):
+    shards = [block(torch.arange(8.0), mesh.shape, mesh.names, fd.P("x"), c) for c in coordinates(mesh.shape)]
+    for p, got in enumerate(backend.run(job_to_local_of_another_device, mesh.shape, mesh.names)):
+        held = range(mesh.size) if backend.is_simulated else [p]
+        for device in range(mesh.size):
+            want = shards[device].tolist() if device in held else "InputTypeError"
+            assert got[device] == want, (p, device, got)
+
+
+def job_torch_dtensor(mesh) -> list[str]:
+    """A torch.distributed.tensor.DTensor given where a plain tensor is expected."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch_mesh = init_device_mesh("cpu", (mesh.size,))
+    x = distribute_tensor(torch.arange(8.0), torch_mesh, [Shard(0)])
+    calls = [
+        lambda: fd.distribute_tensor(x, mesh, fd.P()),
+        lambda: fd.from_local(x, mesh, fd.P("x")),
+        lambda: fd.shard_map(lambda v: v, mesh=mesh, in_specs=fd.P("x"), out_specs=fd.P("x"))(x),
+    ]
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("no error")
+        except fd.FunctionalDTensorError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+@pytest.mark.meshes((2,))
+def test_a_torch_dtensor_is_refused_with_the_conversion_to_use(backend, mesh):
+    """Regression: a torch DTensor (a torch.Tensor subclass) was taken for a plain tensor and
+    nested into a corrupt value."""
+    if backend.is_simulated:
+        pytest.skip("a torch DTensor needs a process group")
+    for p, got in enumerate(backend.run(job_torch_dtensor, mesh.shape, mesh.names)):
+        apis = ["fd.distribute_tensor(tensor)", "fd.from_local(local_tensor)", "fd.shard_map(args[0])"]
+        fixes = ["x.full_tensor()", "x.to_local()", "fd.from_local(x.to_local()"]
+        for got_one, api, fix in zip(got, apis, fixes, strict=True):
+            assert got_one.startswith(f"InputTypeError: {api}") and "torch DTensor" in got_one, (p, got_one)
+            assert fix in got_one, (p, got_one)

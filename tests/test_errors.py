@@ -40,6 +40,9 @@ CASES = [
     ("mesh-size-type", lambda: fd.simulated_mesh((2.0,), ("x",)), fd.InputTypeError, TypeError, ["fd.DeviceMesh(shape)", "2.0"]),
     ("mesh-name-type", lambda: fd.simulated_mesh((2,), (3,)), fd.InputTypeError, TypeError, ["axis_names", "(3,)"]),
     ("mesh-name-identifier", lambda: fd.simulated_mesh((2,), ("a b",)), fd.InputTypeError, TypeError, ["axis_names", "'a b'"]),
+    ("mesh-size-float", lambda: fd.simulated_mesh(4.0, "x"), fd.InputTypeError, TypeError, ["fd.DeviceMesh(shape)", "4.0"]),
+    ("mesh-device-type-gpu", lambda: fd.simulated_mesh(2, "x", device_type="gpu"), fd.MeshError, ValueError, ["fd.simulated_mesh(device_type)", "'gpu'", "'cuda'"]),
+    ("mesh-device-type-int", lambda: fd.simulated_mesh(2, "x", device_type=0), fd.MeshError, ValueError, ["fd.simulated_mesh(device_type)", "0"]),
     ("mesh-backend", lambda: fd.DeviceMesh((2,), ("x",), backend="nope"), fd.MeshError, ValueError, ["fd.DeviceMesh(backend)", "'nope'", "'simulated'"]),
     ("mesh-device-ids", lambda: fd.DeviceMesh((2,), ("x",), device_ids=(0, 0)), fd.MeshError, ValueError, ["device_ids", "(0, 0)"]),
     ("mesh-unknown-axis", lambda: MESH["z"], fd.MeshError, ValueError, ["'z'", "('x', 'y')"]),
@@ -67,6 +70,7 @@ CASES = [
     ("distribute-placements-type", lambda: fd.distribute_tensor(T, MESH, "x"), fd.InputTypeError, TypeError, ["fd.distribute_tensor(placements)", "str"]),
     ("distribute-list", lambda: fd.distribute_tensor([1.0, 2.0], MESH_1D, fd.P()), fd.InputTypeError, TypeError, ["fd.distribute_tensor(tensor)", "list", "torch.as_tensor"]),
     ("distribute-dtensor", lambda: fd.distribute_tensor(_distributed(fd.P()), MESH, fd.P()), fd.InputTypeError, TypeError, ["fd.distribute_tensor(tensor)", "DTensor(", "fd.redistribute"]),
+    ("distribute-spec-too-long", lambda: fd.distribute_tensor(T, MESH, fd.P("x", "y", None)), fd.LayoutError, ValueError, ["fd.distribute_tensor(placements)", "3 entries", "2-d", "at most 2"]),
     ("distribute-mesh-type", lambda: fd.distribute_tensor(T, (2, 2), fd.P()), fd.InputTypeError, TypeError, ["device_mesh", "tuple"]),
     ("distribute-layout-other-mesh", lambda: fd.distribute_tensor(T, MESH, fd.Layout(MESH_1D, (fd.Shard(0),))), fd.MeshError, ValueError, ["fd.distribute_tensor(placements)", "another mesh", repr(MESH_1D), repr(MESH)]),
     # --- from_local
@@ -79,6 +83,9 @@ CASES = [
     ("from-local-uneven-single", lambda: fd.from_local(torch.zeros(2), MESH_1D, fd.P("x"), shape=(7,)), fd.ShapeError, ValueError, ["fd.from_local(local_tensor)", "unevenly", "list"]),
     ("from-local-replicas", lambda: fd.from_local([torch.zeros(2)] * 3 + [torch.ones(2)], MESH_1D, fd.P(), run_check=True), fd.LayoutError, ValueError, ["fd.from_local(local_tensor)", "'x'", "Replicate"]),
     ("from-local-unknown-axis", lambda: fd.from_local(T, MESH, fd.P("z")), fd.LayoutError, ValueError, ["fd.from_local(placements)(spec[0])", "'z'"]),
+    ("from-local-fd-dtensor", lambda: fd.from_local(_distributed(fd.P("x")), MESH, fd.P("x")), fd.InputTypeError, TypeError, ["fd.from_local(local_tensor)", "already an fd.DTensor", "fd.redistribute", "local_shards()"]),
+    ("from-local-fd-dtensor-in-list", lambda: fd.from_local([T, _distributed(fd.P())], MESH, fd.P()), fd.InputTypeError, TypeError, ["local_tensor[1]", "already an fd.DTensor"]),
+    ("from-local-shape-rank", lambda: fd.from_local(torch.zeros(2), MESH_1D, fd.P("x"), shape=(8, 1), run_check=True), fd.ShapeError, ValueError, ["fd.from_local(shape)", "1 sizes", "(8, 1)"]),
     ("from-local-mesh-type", lambda: fd.from_local(T, "mesh", fd.P()), fd.InputTypeError, TypeError, ["fd.from_local(device_mesh)", "str"]),
     # --- DTensor
     ("to-local-no-device", lambda: _distributed(fd.P("x")).to_local(), fd.InputTypeError, TypeError, ["fd.DTensor.to_local(device)", "None", "local_shards()"]),
@@ -88,9 +95,33 @@ CASES = [
     ("zeros-unknown-axis", lambda: fd.zeros(4, 4, mesh=MESH, placements=fd.P("z")), fd.LayoutError, ValueError, ["fd.zeros(placements)", "'z'"]),
     ("ones-shard-dim", lambda: fd.ones((4,), mesh=MESH_1D, placements=[fd.Shard(1)]), fd.LayoutError, ValueError, ["fd.ones(placements[0])", "1-d"]),
     ("full-count", lambda: fd.full((4,), 1.0, mesh=MESH, placements=[fd.Shard(0)]), fd.LayoutError, ValueError, ["fd.full(placements)", "2 for mesh axes"]),
+    ("full-size-type", lambda: fd.full("8", 1.0, mesh=MESH_1D, placements=fd.P()), fd.InputTypeError, TypeError, ["fd.full(size)", "'8'"]),
+    ("zeros-size-type", lambda: fd.zeros(4, 2.5, mesh=MESH_1D, placements=fd.P()), fd.InputTypeError, TypeError, ["fd.zeros(size)", "(4, 2.5)"]),
+    ("zeros-negative-size", lambda: fd.zeros(-1, 4, mesh=MESH_1D, placements=fd.P()), fd.ShapeError, ValueError, ["fd.zeros(size)", "(-1, 4)", "0 or more"]),
+    ("ones-negative-size-tuple", lambda: fd.ones((4, -2), mesh=MESH_1D, placements=fd.P()), fd.ShapeError, ValueError, ["fd.ones(size)", "(4, -2)"]),
+    ("zeros-dtype-str", lambda: fd.zeros(4, mesh=MESH_1D, placements=fd.P(), dtype="float32"), fd.InputTypeError, TypeError, ["fd.zeros(dtype)", "'float32'", "torch.float32"]),
+    ("full-dtype-str", lambda: fd.full((4,), 1, mesh=MESH_1D, placements=fd.P(), dtype="int64"), fd.InputTypeError, TypeError, ["fd.full(dtype)", "'int64'", "torch.int64"]),
     ("rand-mesh-type", lambda: fd.rand(4, mesh=None, placements=fd.P()), fd.InputTypeError, TypeError, ["fd.rand(device_mesh)", "NoneType"]),
+    # --- collectives and the per-device function
+    ("psum-axis-position", lambda: _map_1d(lambda v: fd.psum(v, 0)), fd.InputTypeError, TypeError, ["fd.psum(axis_name)", "got 0", "name"]),
+    ("all-gather-axis-none", lambda: _map_1d(lambda v: fd.all_gather(v, None)), fd.InputTypeError, TypeError, ["fd.all_gather(axis_name)", "None"]),
+    ("ppermute-destinations", lambda: _map_1d(lambda v: fd.ppermute(v, "x", [1, 2, 3, 0])), fd.InputTypeError, TypeError, ["fd.ppermute(perm)", "[1, 2, 3, 0]", "pairs"]),
+    ("ppermute-dict", lambda: _map_1d(lambda v: fd.ppermute(v, "x", {0: 1, 1: 2, 2: 3, 3: 0})), fd.InputTypeError, TypeError, ["fd.ppermute(perm)", "{0: 1", "pairs"]),
+    ("ppermute-iterator", lambda: _map_1d(lambda v: fd.ppermute(v, "x", iter([(0, 1), (1, 0)]))), fd.InputTypeError, TypeError, ["fd.ppermute(perm)", "iterator", "list"]),
+    ("ppermute-triples", lambda: _map_1d(lambda v: fd.ppermute(v, "x", [(0, 1, 2)])), fd.InputTypeError, TypeError, ["fd.ppermute(perm)", "(0, 1, 2)"]),
+    ("item-in-f", lambda: _map_1d(lambda v: v * v.sum().item()), fd.BatchedFunctionError, RuntimeError, ["fd.shard_map(f)", ".item()", "batched", "torch.where"]),
+    ("if-on-a-value-in-f", lambda: _map_1d(lambda v: v if v.sum() > 0 else -v), fd.BatchedFunctionError, RuntimeError, ["fd.shard_map(f)", "if or while", "torch.where"]),
+    ("shard-map-kwargs", lambda: _map_1d(lambda v, w=None: v, w=torch.ones(4)), fd.InputTypeError, TypeError, ["fd.shard_map(f)(**kwargs)", "w", "functools.partial"]),
+    ("shard-map-scalar-sharded", lambda: fd.shard_map(lambda v: v, mesh=MESH_1D, in_specs=fd.P("x"), out_specs=fd.P())(2.0), fd.InputTypeError, TypeError, ["fd.shard_map(args[0])", "P('x')", "float"]),
 ]
 # fmt: on
+
+
+def _map_1d(f, *args, **kwargs):
+    """``f`` mapped over ``MESH_1D`` on rows, called on ``torch.arange(4.0)`` (and ``args``)."""
+    return fd.shard_map(f, mesh=MESH_1D, in_specs=fd.P("x"), out_specs=fd.P("x"))(
+        torch.arange(4.0), *args, **kwargs
+    )
 
 
 @pytest.mark.parametrize("call, error, builtin, mentions", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -186,6 +217,28 @@ BOTH_BACKENDS = [
     (lambda m: fd.from_local(torch.ones(3), m, fd.P("x"), shape=(4,)), fd.ShapeError, "(2,)"),
     (lambda m: fd.distribute_tensor(T, m, fd.P("q")), fd.LayoutError, "'q'"),
     (lambda m: fd.redistribute(torch.ones(2), fd.P()), fd.InputTypeError, "fd.distribute_tensor"),
+    (
+        lambda m: _shard_map(m, lambda v: fd.psum(v, 0), fd.P("x"), fd.P())(torch.ones(4)),
+        fd.InputTypeError,
+        "got 0",
+    ),
+    (
+        lambda m: _shard_map(m, lambda v: fd.ppermute(v, "x", [1, 0]), fd.P("x"), fd.P("x"))(torch.ones(4)),
+        fd.InputTypeError,
+        "pairs",
+    ),
+    (
+        lambda m: _shard_map(m, lambda v, w: v, fd.P("x"), fd.P("x"))(torch.ones(4), w=1),
+        fd.InputTypeError,
+        "w",
+    ),
+    (lambda m: fd.distribute_tensor(torch.ones(4), m, fd.P("x", None)), fd.LayoutError, "2 entries"),
+    (lambda m: fd.zeros(-2, mesh=m, placements=fd.P()), fd.ShapeError, "(-2,)"),
+    (
+        lambda m: fd.from_local(torch.ones(2), m, fd.P("x"), shape=(4, 1), run_check=True),
+        fd.ShapeError,
+        "(4, 1)",
+    ),
 ]
 BOTH_BACKENDS_2D = [  # a dim's axes in another order than the mesh's
     (
@@ -225,3 +278,46 @@ def test_errors_are_the_same_on_every_backend(backend, mesh):
         for (_, error, text), g, w in zip(rows, got, want, strict=True):
             assert g.startswith(f"{error.__name__}: fd.") and text in g, (p, g)
             assert g.split(":")[:2] == w.split(":")[:2], (p, g, w)  # the class and the API's argument
+
+
+def job_device_types(mesh) -> list[str]:
+    """A mesh of each unusable device type, built as this backend builds meshes."""
+    build = (
+        (lambda t: fd.simulated_mesh(mesh.shape, mesh.axis_names, device_type=t))
+        if mesh.backend == "simulated"
+        else (lambda t: fd.init_device_mesh(t, mesh.shape, mesh.axis_names))
+    )
+    unusable = ["gpu", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda"])
+    out = []
+    for device_type in unusable:
+        try:
+            build(device_type)
+            out.append("no error")
+        except fd.FunctionalDTensorError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+@pytest.mark.meshes((2,))
+def test_unusable_device_types_are_refused_on_every_backend(backend, mesh):
+    """Regression: device_type="gpu", and "cuda" without CUDA, built meshes that failed later
+    in torch (or never, on the simulated backend)."""
+    for p, got in enumerate(backend.run(job_device_types, mesh.shape, mesh.names)):
+        for message in got:
+            api = "fd.simulated_mesh" if backend.is_simulated else "fd.init_device_mesh"
+            assert message.startswith(f"MeshError: {api}(device_type)"), (p, message)
+        assert "unknown device type" in got[0] and "'gpu'" in got[0]
+        if len(got) == 3:
+            assert "no cuda device" in got[2], got[2]
+
+
+def test_a_bare_int_size_is_a_shape_for_every_factory():
+    """``fd.full(8, 1.0)`` as ``fd.zeros(8)`` (it raised a raw TypeError)."""
+    x = fd.full(8, 1.5, mesh=MESH_1D, placements=fd.P("x"))
+    assert x.shape == (8,) and torch.equal(x.full_tensor(), torch.full((8,), 1.5))
+    assert (
+        fd.zeros(8, mesh=MESH_1D, placements=fd.P("x")).shape
+        == fd.zeros((8,), mesh=MESH_1D, placements=fd.P()).shape
+    )
+    assert fd.ones(torch.Size([2, 4]), mesh=MESH_1D, placements=fd.P(None, "x")).shape == (2, 4)
+    assert fd.zeros(0, 4, mesh=MESH_1D, placements=fd.P()).shape == (0, 4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -17,7 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
-from functional_dtensor._plan import Permute, Regather, lower_bound, permutation_pairs, plan, step_bytes
+from functional_dtensor._plan import (
+    Permute,
+    ReduceScatter,
+    Regather,
+    lower_bound,
+    permutation_pairs,
+    plan,
+    step_bytes,
+)
 from functional_dtensor.testing import strategies as fds
 
 S, R, PS = fd.Shard, fd.Replicate(), fd.Partial()
@@ -39,6 +48,7 @@ def test_plans_chain_from_the_source_to_the_target(case, integral):
         assert step.source == before, [str(s) for s in steps]
         assert all(0 <= a < mesh.ndim for a in step.axes) and len(set(step.axes)) == len(step.axes)
     assert cost(steps, shape, 8) >= lower_bound(source, target, shape, 8)
+    assert all(s.group_size > 1 for s in steps if s.collective), [str(s) for s in steps]
 
 
 @given(st.data())
@@ -51,8 +61,12 @@ def test_uneven_shapes_regather(data):
     )
     if case.layout == target:
         assert steps == ()
-    elif uneven:  # one step from the source to the target, through the global value
-        assert [(type(s), s.source, s.target) for s in steps] == [(Regather, case.layout, target)]
+    elif uneven:  # one step: a padded reduce_scatter, or through the global value
+        kinds = (ReduceScatter, Regather)
+        assert [(type(s) in kinds, s.source, s.target) for s in steps] == [(True, case.layout, target)]
+        if isinstance(steps[0], ReduceScatter):  # Partial -> Shard on one axis, nothing else
+            changed = [a for a, (p, q) in enumerate(zip(case.layout.placements, target.placements)) if p != q]
+            assert len(changed) == 1 and case.layout.placements[changed[0]].is_partial(), steps
     else:  # the planner's own steps, from the source to the target
         assert not any(isinstance(s, Regather) for s in steps)
         assert steps[0].source == case.layout and steps[-1].target == target
@@ -261,3 +275,71 @@ def test_plans_are_the_same_in_every_process():
     assert len(outputs) == 1
     (output,) = outputs
     assert output.count("\n") == 2 and "[]" not in output, output
+
+
+def test_bytes_are_counted_exactly():
+    """Regression: costs were rounded down per step (an all-reduce of 4 bytes over 3 devices
+    counted 5 B, not 16/3), so that reported plans could fall below their own lower bound."""
+    mesh = fd.simulated_mesh((3, 2), ("x", "y"))
+    source, target = fd.Layout(mesh, (PS, R)), fd.Layout(mesh, (R, R))
+    report = fd.explain_redistribute(source, target, (2,), show=False)
+    assert [str(s) for s in report.steps] == ["slice(y)", "all_reduce(x)", "all_gather(y)"]
+    assert report.step_bytes == (0, Fraction(16, 3), 4)
+    assert report.total_bytes == Fraction(28, 3) >= report.lower_bound == 8
+    assert report.summary == "P(sum)R -> RR: 3 steps, 9.33 B received per device (lower bound 8 B)"
+    direct = fd.explain_redistribute(
+        fd.Layout(mesh, (PS, S(0))), fd.Layout(mesh, (R, S(0))), (4,), show=False
+    )
+    assert direct.total_bytes == direct.lower_bound == Fraction(2 * 2 * 8, 3)  # 2 (k-1)/k d, exactly
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 3), (2, 1, 2)], ids=str)
+def test_steps_on_axes_of_size_1_are_relabels(mesh_shape):
+    """Every change of placement on an axis of size 1 alone, and every reorder of a dim's axes
+    that only moves a size-1 axis, keeps each device's block: a relabel, at its bound of 0."""
+    names = ("x", "y", "z")[: len(mesh_shape)]
+    mesh = fd.simulated_mesh(mesh_shape, names)
+    one = names[mesh_shape.index(1)]
+    shape = (2 * mesh.size, 2 * mesh.size)
+    for spec in all_specs(names, 2):
+        source = fd.Layout.from_spec(mesh, spec)
+        if one in spec.axis_names:
+            continue  # the reorder case below
+        for placement in (R, S(0), S(1), PS, fd.Partial("max")):
+            placements = list(source.placements)
+            placements[names.index(one)] = placement
+            if placement in (S(0), S(1)) and any(p == placement for p in source.placements):
+                continue  # another order of that dim: the reorder case below
+            target = fd.Layout(mesh, tuple(placements), source.shard_order)
+            steps = plan(source, target, shape, 4)
+            assert cost(steps, shape) == lower_bound(source, target, shape, 4) == 0, (spec, placement)
+            assert all(not s.collective for s in steps), [str(s) for s in steps]
+    for r in range(2, len(names) + 1):
+        for axes in itertools.combinations(names, r):
+            if one in axes:
+                for order in itertools.permutations(axes):
+                    moved = tuple(a for a in order if a != one)
+                    target = fd.Layout.from_spec(mesh, fd.P(order))
+                    source = fd.Layout.from_spec(mesh, fd.P((*moved, one)))
+                    steps = plan(source, target, shape, 4)
+                    assert cost(steps, shape) == 0 and all(not s.collective for s in steps), [
+                        str(s) for s in steps
+                    ]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, source, target, shape",
+    [
+        ((4,), (PS,), (S(0),), (10,)),
+        ((2, 2), (PS, S(1)), (S(0), S(1)), (5, 3)),
+        ((3, 2), (R, fd.Partial("avg")), (R, S(1)), (4, 5)),
+    ],
+)
+def test_partial_to_shard_of_an_uneven_dim_is_one_reduce_scatter(mesh_shape, source, target, shape):
+    """Regression: an uneven Partial -> Shard ran an all-reduce and an all-gather through the
+    global value; one reduce_scatter of padded blocks receives (k-1)/k of the padded value."""
+    mesh = fd.simulated_mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
+    src, dst = fd.Layout(mesh, source), fd.Layout(mesh, target)
+    steps = plan(src, dst, shape, 4)
+    axis = next(a for a, p in enumerate(source) if p.is_partial())
+    assert [str(s) for s in steps] == [f"reduce_scatter({mesh.axis_names[axis]})"]

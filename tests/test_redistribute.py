@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
-from functional_dtensor._plan import Permute, Regather, plan
+from functional_dtensor._plan import Permute, Regather, Relabel, lower_bound, plan
 from functional_dtensor._sharding import shard_table
 from functional_dtensor.testing import strategies as fds
 
@@ -211,6 +211,51 @@ def test_a_reorder_of_one_dims_axes_is_one_ppermute_of_a_block(backend, mesh):
         )
         for got in results:
             assert got[k]["events"][0][2] == 8 * one_block.numel()
+
+
+@pytest.mark.meshes((2, 1), (1, 2), (1, 2, 2), (2, 1, 2))
+def test_a_change_on_axes_of_size_1_communicates_nothing(backend, mesh):
+    """Placements that differ only on mesh axes of size 1 (a reorder of a dim's axes, Shard or
+    Partial against Replicate) keep every device's block: one local relabel, no collective.
+    Regression: a reorder involving a size-1 axis ran a needless ppermute (its bound is 0)."""
+    ones = [a for a, n in zip(mesh.names, mesh.shape) if n == 1]
+    rest = [a for a, n in zip(mesh.names, mesh.shape) if n > 1]
+    rows = []
+    for one in ones:
+        for other in rest:
+            rows.append(((2 * mesh.size, 3), fd.P((one, other)), fd.P((other, one)), "float32"))
+            rows.append(((2 * mesh.size, 3), fd.P((other, one)), fd.P(other), "float32"))
+        rows.append(((4, 2 * mesh.size), fd.P(None, one), fd.P(), "float64"))
+        partial = tuple(fd.Partial() if a == one else fd.Replicate() for a in mesh.names)
+        rows.append(((3,), partial, (fd.Replicate(),) * len(mesh.names), "float32"))
+    items = items_for(mesh, rows)
+    for shape, source, target, _, _ in items:
+        steps = plan(source, target, shape, 4)
+        assert [type(s) for s in steps] == [Relabel], [str(s) for s in steps]
+        assert lower_bound(source, target, shape, 4) == 0
+    for got in check_redistribute(backend, mesh, items):
+        assert all(r["events"] == [] for r in got)
+
+
+UNEVEN_REDUCE_SCATTER = {
+    (2,): [
+        ((5, 3), (fd.Partial(),), (fd.Shard(0),), "float32"),
+        ((3,), (fd.Partial("avg"),), (fd.Shard(0),), "float64"),
+    ],
+    (4,): [
+        ((10,), (fd.Partial(),), (fd.Shard(0),), "float32"),
+        ((2, 3), (fd.Partial(),), (fd.Shard(0),), "int64"),
+    ],
+    (2, 2): [((5, 3), (fd.Partial(), fd.Shard(1)), (fd.Shard(0), fd.Shard(1)), "float32")],
+}
+
+
+@pytest.mark.meshes(*UNEVEN_REDUCE_SCATTER)
+def test_partial_to_shard_of_an_uneven_dim_runs_one_reduce_scatter(backend, mesh):
+    """Regression: it ran an all_reduce and an all_gather through the global value."""
+    for got in check_redistribute(backend, mesh, items_for(mesh, UNEVEN_REDUCE_SCATTER[mesh.shape])):
+        for result in got:
+            assert [op for op, _, _ in result["events"]] == ["reduce_scatter"], result["events"]
 
 
 @pytest.mark.meshes((1, 2, 2), (2, 2, 2), (2, 3, 2))

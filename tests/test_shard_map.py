@@ -356,3 +356,42 @@ def test_any_spec_of_any_mesh_maps_and_returns_the_value(data):
     x = torch.arange(math.prod(case.global_shape)).reshape(case.global_shape)
     y = fd.shard_map(lambda v: v + 0, mesh=case.mesh, in_specs=case.spec, out_specs=case.spec)(x)
     assert torch.equal(y.full_tensor(), x) and y.layout == case.layout
+
+
+def _scaled(v, scale, shift):
+    return v * scale + shift, 2.5, fd.psum(v.sum(), "x") * scale
+
+
+def job_python_scalars(mesh, check_rep: bool) -> dict:
+    """Python scalars as arguments and results with spec P(), as JAX: 0-d values."""
+    f = fd.shard_map(
+        _scaled,
+        mesh=mesh,
+        in_specs=(fd.P("x"), fd.P(), fd.P()),
+        out_specs=(fd.P("x"), fd.P(), fd.P()),
+        check_rep=check_rep,
+    )
+    x = torch.arange(4.0, requires_grad=True)
+    y, constant, total = f(x, 3, 0.5)
+    (grad,) = torch.autograd.grad(y.full_tensor().sum() + total.full_tensor(), x)
+    return {
+        "y": y.full_tensor().detach(),
+        "constant": constant.full_tensor(),
+        "total": total.full_tensor().detach(),
+        "shapes": (tuple(constant.shape), tuple(total.shape)),
+        "grad": grad,
+    }
+
+
+@pytest.mark.meshes((2,), (4,))
+@pytest.mark.parametrize("check_rep", [True, False])
+def test_python_scalars_are_zero_dim_values_with_spec_P(backend, mesh, check_rep):
+    """Regression: a Python number as an argument or a result with spec P() was refused
+    ("must be a tensor")."""
+    x = torch.arange(4.0, requires_grad=True)
+    want_y, want_total = x * 3 + 0.5, x.sum() * 3
+    (want_grad,) = torch.autograd.grad(want_y.sum() + want_total, x)
+    for p, got in enumerate(backend.run(job_python_scalars, mesh.shape, mesh.names, check_rep)):
+        assert torch.equal(got["y"], want_y.detach()) and torch.equal(got["total"], want_total.detach()), p
+        assert torch.equal(got["constant"], torch.tensor(2.5)) and got["shapes"] == ((), ()), p
+        assert torch.equal(got["grad"], want_grad), p

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._cache import cached
 from .._errors import MeshError, explain
-from .._mesh import DeviceMesh
+from .._mesh import DeviceMesh, check_device_type
 
 __all__ = [
     "init_device_mesh",
@@ -48,6 +48,7 @@ def init_device_mesh(
     """A mesh over the ranks of ``torch.distributed`` (one device per rank), creating the process
     group from the ``torchrun`` environment when there is none yet: gloo on CPU, NCCL on CUDA.
     ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error."""
+    device_type = check_device_type(device_type, "fd.init_device_mesh")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if not dist.is_initialized():
@@ -71,6 +72,16 @@ def init_device_mesh(
     return mesh
 
 
+def _slices(root: DeviceMesh, mesh: DeviceMesh) -> bool:
+    """Whether ``mesh`` may be a sub-mesh of ``root``: its axes are axes of ``root``, of the same
+    sizes (a (1, 2) mesh is no slice of a (2, 1) one of the same names), its devices root's."""
+    return (
+        set(mesh.axis_names) <= set(root.axis_names)
+        and all(root.shape[root.axis_position(n)] == n_size for n, n_size in zip(mesh.axis_names, mesh.shape))
+        and set(mesh.device_ids) <= set(root.device_ids)
+    )
+
+
 def torch_mesh(mesh: DeviceMesh):
     """The ``torch.distributed.DeviceMesh`` of the group of ``mesh`` that holds this rank. A
     sub-mesh (``mesh["tp"]``) is sliced from the mesh it came from, whose groups every rank
@@ -81,7 +92,7 @@ def torch_mesh(mesh: DeviceMesh):
         from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
         for root, root_torch_mesh in list(_torch_meshes.items()):
-            if set(mesh.axis_names) <= set(root.axis_names) and set(mesh.device_ids) <= set(root.device_ids):
+            if _slices(root, mesh):
                 names = tuple(sorted(mesh.axis_names, key=root.axis_position))
                 if names != mesh.axis_names:
                     break  # a sub-mesh with reordered axes: not sliceable from the root

@@ -18,6 +18,9 @@ __all__ = [
     "shard",
     "shards",
     "from_local",
+    "shard_infos",
+    "padded",
+    "unpadded",
     "differing_replicas",
     "materialize",
     "splits_as_views",
@@ -91,16 +94,7 @@ def shards(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -
 
 def from_local(shards, layout: Layout, global_shape, *, copy: bool, where: str) -> torch.Tensor:
     """This rank's shard, checked against the layout (a copy of it, with ``copy``)."""
-    if len(shards) != 1:
-        raise InputTypeError(
-            explain(
-                f"{where}(local_tensor)",
-                "on the distributed backend each rank passes its own shard",
-                expected="one tensor",
-                got=f"a list of {len(shards)}",
-                fix="pass this rank's shard alone",
-            )
-        )
+    _check_one(shards, where)
     local = shards[0]
     expected = shard_table(layout, tuple(global_shape)).local_shapes[runtime.device_index(layout.mesh)]
     if tuple(local.shape) != tuple(expected):
@@ -114,6 +108,29 @@ def from_local(shards, layout: Layout, global_shape, *, copy: bool, where: str) 
             )
         )
     return local.clone() if copy else local
+
+
+def shard_infos(shards, layout: Layout, *, where: str) -> tuple[blocks.ShardInfo, ...]:
+    """Every device's shard metadata, in flat mesh order: one all-gather over the mesh of a
+    fixed-length code, so that every rank sees every shard and reaches the same verdict."""
+    _check_one(shards, where)
+    mesh = layout.mesh
+    code = blocks.encode_shard_info(blocks.shard_info(shards[0])).to(mesh.device_type)
+    codes = kernels.all_gather(code, mesh, mesh.axis_names, 0, tiled=False).cpu()
+    return tuple([blocks.decode_shard_info(c) for c in codes])
+
+
+def _check_one(shards, where: str) -> None:
+    if len(shards) != 1:
+        raise InputTypeError(
+            explain(
+                f"{where}(local_tensor)",
+                "on the distributed backend each rank passes its own shard",
+                expected="one tensor",
+                got=f"a list of {len(shards)}",
+                fix="pass this rank's shard alone",
+            )
+        )
 
 
 def differing_replicas(local: torch.Tensor, layout: Layout) -> list[str]:
@@ -192,3 +209,14 @@ def restored(local, layout: Layout, global_shape: tuple[int, ...], device: int) 
             )
         )
     return local
+
+
+def padded(local: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's shard padded with zeros to the layout's padded block shape."""
+    return blocks.pad(local, shard_table(layout, tuple(global_shape)).padded_shape)
+
+
+def unpadded(block: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's shard of its padded block."""
+    table = shard_table(layout, tuple(global_shape))
+    return blocks.unpad(block, table.local_shapes[runtime.device_index(layout.mesh)])

@@ -18,7 +18,7 @@ import torch
 
 from .. import _autograd as autograd
 from .._cache import cached
-from .._errors import FunctionalDTensorError, explain
+from .._errors import BatchedFunctionError, FunctionalDTensorError, explain
 from .._op_args import replace_inputs, tensors_of
 from .._varying import axes_varying
 from . import kernels
@@ -49,14 +49,34 @@ def run_per_device(per_device, size: int, in_dims, inputs):
     """``per_device(level, device_level, *inputs)`` for all ``size`` devices at once, under a
     vmap over ``in_dims`` (both levels: the vmap's); returns the outputs and whether each is
     batched over the devices (an unbatched output is the same on all)."""
-    if all(d is None for d in in_dims):  # vmap needs one mapped input to know the device count
-        return over_devices(
-            lambda level, *a: per_device(level, level, *a[:-1]),
-            size,
-            (*in_dims, 0),
-            (*inputs, torch.arange(size)),
-        )
-    return over_devices(lambda level, *a: per_device(level, level, *a), size, in_dims, inputs)
+    try:
+        if all(d is None for d in in_dims):  # vmap needs one mapped input to know the device count
+            return over_devices(
+                lambda level, *a: per_device(level, level, *a[:-1]),
+                size,
+                (*in_dims, 0),
+                (*inputs, torch.arange(size)),
+            )
+        return over_devices(lambda level, *a: per_device(level, level, *a), size, in_dims, inputs)
+    except RuntimeError as error:
+        if _READS_A_VALUE not in str(error):
+            raise
+        raise BatchedFunctionError(
+            explain(
+                "fd.shard_map(f)",
+                "the per-device function reads a tensor's value into Python (.item(), float(), "
+                "if or while on a tensor), but on a simulated mesh it runs once, batched over "
+                f"all {size} devices, whose values differ",
+                expected="tensor operations on the local values",
+                got=str(error).splitlines()[0],
+                fix="keep values as tensors: torch.where(cond, a, b) for a branch, a mask for a "
+                "loop's condition; or run it on the distributed backend (fd.init_device_mesh)",
+            )
+        ) from error
+
+
+#: what functorch says when a batched function reads a value (``.item()``, data-dependent ``if``)
+_READS_A_VALUE = "vmap: It looks like you're"
 
 
 @autograd.compilable

@@ -28,6 +28,9 @@ __all__ = [
     "shard",
     "shards",
     "from_local",
+    "shard_infos",
+    "padded",
+    "unpadded",
     "differing_replicas",
     "materialize",
     "splits_as_views",
@@ -182,6 +185,7 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, copy: b
     copy of it with ``copy``)."""
     mesh = layout.mesh
     table = shard_table(layout, global_shape)
+    _check_count(shards, mesh, where)
     shards = [t.to(mesh.device_type) for t in shards]
     if len(shards) == 1:
         _check_shape(shards[0].shape, table.local_shapes[0], 0, where, global_shape)
@@ -197,11 +201,15 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, copy: b
             )
         held = shards[0].clone() if copy else shards[0]
         storage = held.unsqueeze(0).expand(mesh.size, *held.shape)
-    elif len(shards) == mesh.size:
+    else:
         for k, (t, expected) in enumerate(zip(shards, table.local_shapes)):
             _check_shape(t.shape, expected, k, where, global_shape)
         storage = torch.stack([blocks.pad(t, table.padded_shape) for t in shards])
-    else:
+    return storage
+
+
+def _check_count(shards, mesh, where: str) -> None:
+    if len(shards) not in (1, mesh.size):
         raise ShapeError(
             explain(
                 f"{where}(local_tensor)",
@@ -211,7 +219,13 @@ def from_local(shards, layout: Layout, global_shape: tuple[int, ...], *, copy: b
                 fix="pass a list with every device's shard in row-major mesh order",
             )
         )
-    return storage
+
+
+def shard_infos(shards, layout: Layout, *, where: str) -> tuple[blocks.ShardInfo, ...]:
+    """Every device's shard metadata, in flat mesh order (one shard given: every device's)."""
+    _check_count(shards, layout.mesh, where)
+    infos = tuple([blocks.shard_info(t) for t in shards])
+    return infos * layout.mesh.size if len(infos) == 1 else infos
 
 
 def _check_shape(got, expected, device: int, where: str, shape) -> None:
@@ -268,4 +282,14 @@ def restored(storage, layout: Layout, global_shape: tuple[int, ...], device) -> 
                 fix="load a file written by pickle or torch.save of an fd.DTensor, unchanged",
             )
         )
+    return storage
+
+
+def padded(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """Every device's block at the layout's padded shape: the storage itself."""
+    return storage
+
+
+def unpadded(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The storage of padded blocks: itself (a simulated storage holds them padded)."""
     return storage
