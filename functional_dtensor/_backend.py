@@ -147,7 +147,10 @@ class Backend:
 
     def gather(self, storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
         """The global value of ``storage`` (on the distributed backend, gathered from every
-        rank: not counted as communication, as it moves no data on the simulated backend)."""
+        rank: not counted as communication, as it moves no data on the simulated backend). A
+        meta value's is a meta tensor, with no communication."""
+        if storage.is_meta:
+            return torch.empty(shape, dtype=storage.dtype, device="meta")
         return self._storage.gather(storage, layout, shape)
 
     def regather(self, storage: torch.Tensor, source: Layout, target: Layout, shape: tuple[int, ...]):
@@ -222,6 +225,12 @@ class Backend:
         """A factory's storage from ``make_blocks(block_shape, shard)``: the padded blocks of
         every distinct shard (``shard`` None, a grid) or of this rank's distinct shard."""
         return self._storage.materialize(layout, shape, make_blocks)
+
+    def meta(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """The storage of a meta value: its blocks' shapes and dtype, with no memory."""
+        return self._storage.materialize(
+            layout, shape, lambda block_shape, shard: torch.empty(block_shape, dtype=dtype, device="meta")
+        )
 
     def block_shape(self, storage: torch.Tensor) -> tuple[int, ...]:
         """The shape of one device's (padded) block in ``storage``."""

@@ -178,6 +178,12 @@ class DTensor:
         return self._storage.requires_grad
 
     @property
+    def is_meta(self) -> bool:
+        """Whether this is a meta value: shapes, dtype and layout, with no memory (factories
+        with ``device="meta"``); its shards, global value and redistributions are meta too."""
+        return self._storage.is_meta
+
+    @property
     def grad(self) -> DTensor | None:
         """The gradient accumulated on this value's storage by ``backward()``, laid out like the
         value (Partial axes as Replicate), or ``None``. Storage is a leaf when the value was

@@ -62,6 +62,27 @@ def _check_dtype(dtype, api: str) -> None:
         )
 
 
+def _on_meta(device, mesh: DeviceMesh, api: str) -> bool:
+    """Whether a factory builds a meta value (shapes and layout, no memory): ``device`` is
+    ``"meta"``; ``None`` or the mesh's device type build a real one."""
+    if device is None:
+        return False
+    kind = device.type if isinstance(device, torch.device) else device
+    if kind == "meta":
+        return True
+    if kind == mesh.device_type:
+        return False
+    raise InputTypeError(
+        explain(
+            f"{api}(device)",
+            "a value lives on its mesh's devices, or on the meta device (shapes, no memory)",
+            expected=f"None, {mesh.device_type!r} or 'meta'",
+            got=repr(device),
+            fix="leave device out, or build the mesh on the device you want",
+        )
+    )
+
+
 def _build(
     layout: Layout, shape: tuple[int, ...], blocks: Callable[[tuple[int, ...], int | None], torch.Tensor]
 ):
@@ -79,11 +100,15 @@ def _factory(name: str, doc: str, blocks_for):
         placements: PlacementsOrSpec,
         dtype: torch.dtype | None = None,
         requires_grad: bool = False,
+        device: str | torch.device | None = None,
     ) -> DTensor:
         shape = _shape(size, f"fd.{name}")
         _check_dtype(dtype, f"fd.{name}")
         layout = layout_for(mesh, placements, len(shape), f"fd.{name}")
-        storage = _build(layout, shape, blocks_for(layout, dtype))
+        if _on_meta(device, layout.mesh, f"fd.{name}"):
+            storage = backend_of(layout.mesh).meta(layout, shape, dtype)
+        else:
+            storage = _build(layout, shape, blocks_for(layout, dtype))
         return DTensor(storage.requires_grad_(requires_grad), layout, shape)
 
     factory.__name__ = factory.__qualname__ = name
@@ -95,7 +120,10 @@ def _filled(name: str, fill: Callable[..., torch.Tensor]):
     def blocks_for(layout: Layout, dtype):
         return lambda block_shape, shard: fill(block_shape, dtype=dtype, device=layout.mesh.device_type)
 
-    doc = f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards."
+    doc = (
+        f"A global value of shape ``size`` filled as ``torch.{name}``, materializing only local shards "
+        "(none with ``device='meta'``: a value of shapes and layout only)."
+    )
     return _factory(name, doc, blocks_for)
 
 
@@ -118,7 +146,8 @@ def _random(name: str, draw: Callable[..., torch.Tensor]):
 
     doc = (
         f"A global value of shape ``size`` drawn as ``torch.{name}``, materializing only local shards; "
-        "each distinct shard from its own generator (the same values on either backend)."
+        "each distinct shard from its own generator (the same values on either backend); "
+        "``device='meta'``: a value of shapes and layout only, drawing nothing."
     )
     return _factory(name, doc, blocks_for)
 
@@ -138,11 +167,13 @@ def full(
     placements: PlacementsOrSpec,
     dtype: torch.dtype | None = None,
     requires_grad: bool = False,
+    device: str | torch.device | None = None,
 ) -> DTensor:
-    """A global value of shape ``size`` filled with ``fill_value``, materializing only shards."""
+    """A global value of shape ``size`` filled with ``fill_value``, materializing only shards
+    (none with ``device='meta'``: a value of shapes and layout only)."""
     shape = _shape((size,), "fd.full")
     _check_dtype(dtype, "fd.full")
     layout = layout_for(mesh, placements, len(shape), "fd.full")
-    device = layout.mesh.device_type
+    device = "meta" if _on_meta(device, layout.mesh, "fd.full") else layout.mesh.device_type
     storage = _build(layout, shape, lambda s, shard: torch.full(s, fill_value, dtype=dtype, device=device))
     return DTensor(storage.requires_grad_(requires_grad), layout, shape)

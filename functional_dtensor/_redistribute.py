@@ -84,6 +84,8 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def forward(storage, source, target, shape):
+        if storage.is_meta:  # shapes only: nothing to move
+            return backend_of(target.mesh).meta(target, shape, storage.dtype)
         integral = not (storage.is_floating_point() or storage.is_complex())
         index = _plan_index(_key(source), _key(target), shape, storage.element_size(), integral)
         for step in _PLANS[index]:

@@ -743,3 +743,48 @@ def test_a_torch_dtensor_is_refused_with_the_conversion_to_use(backend, mesh):
         for got_one, api, fix in zip(got, apis, fixes, strict=True):
             assert got_one.startswith(f"InputTypeError: {api}") and "torch DTensor" in got_one, (p, got_one)
             assert fix in got_one, (p, got_one)
+
+
+def job_meta_values(mesh) -> dict:
+    """Meta values: every factory, a redistribute and the global value, with no memory and no
+    communication."""
+    spec = fd.P(*mesh.axis_names[:2]) if mesh.ndim > 1 else fd.P(mesh.axis_names[0])
+    out = {}
+    with fd.CommDebugMode() as comm:
+        values = {
+            "zeros": fd.zeros(5, 6, mesh=mesh, placements=spec, device="meta"),
+            "randn": fd.randn((5, 6), mesh=mesh, placements=spec, dtype=torch.float64, device="meta"),
+            "full": fd.full((5, 6), 3, mesh=mesh, placements=spec, device=torch.device("meta")),
+            "partial": fd.ones(5, 6, mesh=mesh, placements=[fd.Partial()] * mesh.ndim, device="meta"),
+        }
+        for name, x in values.items():
+            moved = x.redistribute(fd.P(None, mesh.axis_names[-1]))
+            out[name] = {
+                "is_meta": (x.is_meta, moved.is_meta, x.full_tensor().is_meta),
+                "dtype": x.dtype,
+                "shards": [s.shape for s in x.local_shards()],
+                "moved": [s.shape for s in moved.local_shards()],
+                "full": tuple(x.full_tensor().shape),
+            }
+    out["communication"] = comm.get_total_counts()
+    return out
+
+
+@pytest.mark.meshes((2,), (2, 2), (4,))
+def test_meta_values_hold_shapes_and_layouts_without_memory_or_communication(backend, mesh):
+    for got in backend.run(job_meta_values, mesh.shape, mesh.names):
+        assert got.pop("communication") == 0
+        assert got["full"]["dtype"] == torch.int64 and got["randn"]["dtype"] == torch.float64
+        for name, value in got.items():
+            assert value["is_meta"] == (True, True, True), name
+            assert value["full"] == (5, 6)
+    real = fd.zeros(5, 6, mesh=fd.simulated_mesh(mesh.shape, mesh.names), placements=fd.P())
+    assert not real.is_meta
+
+
+def test_a_factory_on_another_device_is_refused():
+    mesh = fd.simulated_mesh(2, "x")
+    for device in ("cuda:0", torch.device("cuda"), 3):
+        with pytest.raises(fd.InputTypeError, match=r"fd\.zeros\(device\).*'meta'"):
+            fd.zeros(4, mesh=mesh, placements=fd.P(), device=device)
+    assert fd.zeros(4, mesh=mesh, placements=fd.P(), device="cpu").full_tensor().tolist() == [0.0] * 4
