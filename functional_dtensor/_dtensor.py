@@ -214,18 +214,80 @@ class DTensor:
         flat (row-major) mesh order; on the distributed backend, this rank's alone."""
         return backend_of(self.device_mesh).shards(self._storage, self._layout, tuple(self._shape))
 
-    def to_local(self, device: int | Sequence[int] | None = None) -> torch.Tensor:
-        """The local shard of one device.
+    def to_local(
+        self, device: int | Sequence[int] | None = None, *, grad_placements: PlacementsOrSpec | None = None
+    ) -> torch.Tensor:
+        """The local shard of one device. Differentiable.
 
         On the distributed backend, this rank's shard (``device`` may be omitted). On the
         simulated backend, name the device by flat index or mesh coordinate: every shard is
         held here (use :meth:`local_shards` for all of them).
-        """
-        return backend_of(self.device_mesh).shard(self._storage, self._layout, tuple(self._shape), device)
 
-    def full_tensor(self) -> torch.Tensor:
-        """The global value on every device (Partial axes reduced). Differentiable."""
-        return gather_storage(self._storage, self._layout, tuple(self._shape))
+        ``grad_placements`` (placements or an ``fd.P``, as DTensor) is the layout of the
+        gradient that will flow into the returned shard; the backward converts it to this
+        value's layout. With ``[fd.Partial()]`` on a Replicate value, each rank may pass back a
+        partial gradient: they are summed. It may differ from the value's placements only by
+        Replicate for Partial (the shard's shape stays), and a Partial in it sums. Default: the
+        value's own placements (a Partial value's gradient is read as Replicate). On the
+        simulated backend the gradient of ``to_local(device=k)`` is device ``k``'s gradient,
+        every other device contributing zero: summing ``to_local(device=k)`` terms over ``k``
+        differentiates as the same SPMD program on the distributed backend.
+        """
+        storage = self._storage
+        if grad_placements is not None:
+            api = "fd.DTensor.to_local"
+            grad = self._grad_layout(grad_placements, api, expected=without_partial(self._layout))
+            storage = _GradLayout.apply(storage, grad, without_partial(self._layout), tuple(self._shape))
+        return backend_of(self.device_mesh).shard(storage, self._layout, tuple(self._shape), device)
+
+    def full_tensor(self, *, grad_placements: PlacementsOrSpec | None = None) -> torch.Tensor:
+        """The global value on every device (Partial axes reduced). Differentiable.
+
+        ``grad_placements`` (Replicate or Partial per mesh axis, or an ``fd.P``) is the layout
+        of the gradient that will flow into the full tensor, as DTensor: with ``[fd.Partial()]``
+        every rank's gradient is a partial one, summed (reduce-scattered back to a Shard value).
+        On the simulated backend the one global gradient stands for every device's: with a
+        Partial axis it counts once per device of that axis, as the same program's gradients
+        summed over the ranks of the distributed backend. Default: the gradient is the same on
+        every device.
+        """
+        shape = tuple(self._shape)
+        if grad_placements is None:
+            return gather_storage(self._storage, self._layout, shape)
+        mesh = self.device_mesh
+        replicated = Layout(mesh, (Replicate(),) * mesh.ndim)
+        grad = self._grad_layout(grad_placements, "fd.DTensor.full_tensor", expected=replicated)
+        return _FullTensorWithGrad.apply(self._storage, self._layout, grad, shape)
+
+    def _grad_layout(self, grad_placements: PlacementsOrSpec, api: str, *, expected: Layout) -> Layout:
+        """The normalized layout of ``grad_placements`` given to ``api``: one whose Partial
+        axes sum, equal to ``expected`` once they read as Replicate."""
+        where = f"{api}(grad_placements)"
+        grad = layout_for(self.device_mesh, grad_placements, self.ndim, api, argument="grad_placements")
+        for name, placement in zip(grad.mesh.axis_names, grad.placements):
+            if placement.is_partial() and placement.op != "sum":
+                raise LayoutError(
+                    explain(
+                        f"{where} on mesh axis {name!r}",
+                        f"a gradient's partial parts are summed, it cannot be Partial({placement.op!r})",
+                        expected="fd.Partial() (sum), Replicate, or the value's own Shard",
+                        got=str(placement),
+                        fix="use fd.Partial()",
+                    )
+                )
+        if without_partial(grad) != expected:
+            wanted = ", ".join(map(str, expected.placements))
+            raise LayoutError(
+                explain(
+                    where,
+                    "the gradient is laid out as the tensor returned: it may differ from "
+                    "that layout only by Partial for Replicate",
+                    expected=f"{wanted} (a Replicate may be Partial)",
+                    got=", ".join(map(str, grad.placements)),
+                    fix=f"start from {wanted}; make Partial the axes whose gradients are partial",
+                )
+            )
+        return grad
 
     def __repr__(self) -> str:
         return (
@@ -328,6 +390,48 @@ class _FullTensor(torch.autograd.Function):
         return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
 
 
+class _GradLayout(torch.autograd.Function):
+    """Storage -> the same storage, whose cotangent comes in ``grad`` layout: the backward
+    redistributes it to ``target`` (the value's layout, Partial read as Replicate) through
+    the installed :meth:`DTensor.redistribute`."""
+
+    @staticmethod
+    def forward(storage, grad, target, shape):
+        return storage.view_as(storage)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.grad, ctx.target, ctx.shape = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _relayout(g, ctx.grad, ctx.target, ctx.shape), None, None, None
+
+
+class _FullTensorWithGrad(torch.autograd.Function):
+    """Storage -> global tensor, whose cotangent is every device's gradient in ``grad`` layout
+    (Replicate or Partial on every axis): each device holds the global cotangent, which the
+    backward redistributes to the value's layout (Partial read as Replicate)."""
+
+    @staticmethod
+    def forward(storage, layout, grad, shape):
+        return backend_of(layout.mesh).gather(storage, layout, shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layout, ctx.grad, ctx.shape = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, g):
+        held = backend_of(ctx.grad.mesh).distribute(g, without_partial(ctx.grad), copy=False)
+        return _relayout(held, ctx.grad, without_partial(ctx.layout), ctx.shape), None, None, None
+
+
+def _relayout(storage: torch.Tensor, source: Layout, target: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+    """``storage`` read in ``source`` layout, redistributed to ``target``."""
+    return storage_of(DTensor(storage, source, shape).redistribute(target))
+
+
 def check_tensor(value, where: str, *, torch_dtensor_fix: str) -> torch.Tensor:
     """``value`` if it is a plain tensor; otherwise an error that names the conversion
     (``torch_dtensor_fix``: the one for a ``torch.distributed.tensor.DTensor``)."""
@@ -370,20 +474,23 @@ def check_mesh(mesh, where: str) -> DeviceMesh:
     return mesh
 
 
-def layout_for(mesh, placements: PlacementsOrSpec, ndim: int, api: str) -> Layout:
-    """The normalized layout that ``api`` was given for an ``ndim``-d tensor on ``mesh``."""
+def layout_for(
+    mesh, placements: PlacementsOrSpec, ndim: int, api: str, *, argument: str = "placements"
+) -> Layout:
+    """The normalized layout that ``api`` was given (as ``argument``) for an ``ndim``-d tensor
+    on ``mesh``."""
     mesh = check_mesh(mesh, f"{api}(device_mesh)")
     if isinstance(placements, P) and len(placements) > ndim:
         raise LayoutError(
             explain(
-                f"{api}(placements)",
+                f"{api}({argument})",
                 "the spec has more entries than the tensor has dims",
                 expected=f"at most {ndim} entries, one per dim",
                 got=f"{placements!r} ({len(placements)} entries) for a {ndim}-d tensor",
                 fix="drop the extra entries, or reshape the tensor first",
             )
         )
-    layout = as_layout(mesh, placements, where=f"{api}(placements)")
+    layout = as_layout(mesh, placements, where=f"{api}({argument})")
     return layout.normalized(ndim, where=api)
 
 
