@@ -45,18 +45,28 @@ def replace_inputs(func, args, kwargs, replace):
 _KEEPS_VALUES = frozenset({"requires_grad_", "share_memory_", "pin_memory_"})
 
 
+_WRITES_FIRST: dict = {}  # func -> whether it writes its first tensor argument (decided once)
+
+
+def _writes_first(func) -> bool:
+    found = _WRITES_FIRST.get(func)
+    if found is None:
+        name = getattr(func, "__name__", "")
+        found = _WRITES_FIRST[func] = (
+            name.endswith("_") and not name.endswith("__") and name not in _KEEPS_VALUES
+        ) or name == "__setitem__"
+    return found
+
+
 def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors a torch op writes in place: the first tensor argument of an in-place op
     (``x.mul_(2)``, ``x += 1``, ``x[i] = v``, ``F.relu(x, inplace=True)``) and its ``out=``."""
-    name = getattr(func, "__name__", "")
+    if not kwargs:  # the common case: a plain op
+        return tensors_of(args, kwargs)[:1] if _writes_first(func) else []
     written = []
-    if (
-        (name.endswith("_") and not name.endswith("__") and name not in _KEEPS_VALUES)
-        or name == "__setitem__"
-        or (kwargs and kwargs.get("inplace") is True)
-    ):
+    if _writes_first(func) or kwargs.get("inplace") is True:
         written += tensors_of(args, kwargs)[:1]
-    out = kwargs.get("out") if kwargs else None
+    out = kwargs.get("out")
     if isinstance(out, torch.Tensor):
         written.append(out)
     elif isinstance(out, (tuple, list)):
