@@ -235,9 +235,9 @@ class DTensor:
         """
         storage = self._storage
         if grad_placements is not None:
-            api = "fd.DTensor.to_local"
-            grad = self._grad_layout(grad_placements, api, expected=without_partial(self._layout))
-            storage = _GradLayout.apply(storage, grad, without_partial(self._layout), tuple(self._shape))
+            target = without_partial(self._layout)
+            grad = self._grad_layout(grad_placements, "fd.DTensor.to_local", expected=target)
+            storage = autograd.apply(_GradLayout, storage, grad, target, tuple(self._shape))
         return backend_of(self.device_mesh).shard(storage, self._layout, tuple(self._shape), device)
 
     def full_tensor(self, *, grad_placements: PlacementsOrSpec | None = None) -> torch.Tensor:
@@ -257,7 +257,7 @@ class DTensor:
         mesh = self.device_mesh
         replicated = Layout(mesh, (Replicate(),) * mesh.ndim)
         grad = self._grad_layout(grad_placements, "fd.DTensor.full_tensor", expected=replicated)
-        return _FullTensorWithGrad.apply(self._storage, self._layout, grad, shape)
+        return autograd.apply(_FullTensorWithGrad, self._storage, self._layout, grad, shape)
 
     def _grad_layout(self, grad_placements: PlacementsOrSpec, api: str, *, expected: Layout) -> Layout:
         """The normalized layout of ``grad_placements`` given to ``api``: one whose Partial
@@ -390,6 +390,7 @@ class _FullTensor(torch.autograd.Function):
         return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
 
 
+@autograd.compilable
 class _GradLayout(torch.autograd.Function):
     """Storage -> the same storage, whose cotangent comes in ``grad`` layout: the backward
     redistributes it to ``target`` (the value's layout, Partial read as Replicate) through
@@ -407,7 +408,12 @@ class _GradLayout(torch.autograd.Function):
     def backward(ctx, g):
         return _relayout(g, ctx.grad, ctx.target, ctx.shape), None, None, None
 
+    @staticmethod
+    def jvp(ctx, t, _grad, _target, _shape):
+        return t.view_as(t)
 
+
+@autograd.compilable
 class _FullTensorWithGrad(torch.autograd.Function):
     """Storage -> global tensor, whose cotangent is every device's gradient in ``grad`` layout
     (Replicate or Partial on every axis): each device holds the global cotangent, which the
@@ -425,6 +431,10 @@ class _FullTensorWithGrad(torch.autograd.Function):
     def backward(ctx, g):
         held = backend_of(ctx.grad.mesh).distribute(g, without_partial(ctx.grad), copy=False)
         return _relayout(held, ctx.grad, without_partial(ctx.layout), ctx.shape), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, _layout, _grad, _shape):
+        return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
 
 
 def _relayout(storage: torch.Tensor, source: Layout, target: Layout, shape: tuple[int, ...]) -> torch.Tensor:

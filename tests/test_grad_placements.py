@@ -126,3 +126,21 @@ def test_bad_grad_placements_are_refused(backend, mesh):
         assert kind.startswith("InputTypeError"), kind
         assert full_shard.startswith("LayoutError") and "full_tensor(grad_placements)" in full_shard
         assert too_long.startswith("LayoutError") and "more entries" in too_long, too_long
+
+
+def test_grad_placements_leave_forward_mode_as_it_is():
+    """A tangent flows forward through the value, whatever layout the gradient will have."""
+    mesh = fd.simulated_mesh(2, "x")
+    w = torch.arange(6.0).reshape(6, 1)
+
+    def local(v):
+        x = fd.distribute_tensor(v, mesh, fd.P())
+        return x.to_local(device=1, grad_placements=[fd.Partial()]) * 3
+
+    def full(v):
+        return fd.distribute_tensor(v, mesh, fd.P("x")).full_tensor(grad_placements=[fd.Partial()]) * 3
+
+    for f in (local, full):
+        value, tangent = torch.func.jvp(f, (w,), (torch.ones_like(w),))
+        torch.testing.assert_close(value, 3 * w)
+        torch.testing.assert_close(tangent, torch.full_like(w, 3.0))
