@@ -490,14 +490,15 @@ def test_drawn_round_trips(backend, mesh, data):
 
 
 def job_from_local_even(mesh) -> dict:
-    """from_local without ``shape``: the split is taken to be even. Device d's rows are d."""
+    """from_local without ``shape``: the shape the shards make up (here an even split; uneven
+    ones in test_from_local_of_uneven_shards_agrees_on_the_global_shape). Device d's rows are d."""
     local = [torch.full((2, 3), float(d)) for d in range(mesh.size)]
     d = fd.from_local(local_of(mesh, local), mesh, fd.P(tuple(reversed(mesh.axis_names))))
     return {"shape": tuple(d.shape), "full": d.full_tensor()}
 
 
 @pytest.mark.meshes((2,), (2, 2))
-def test_from_local_without_a_shape_takes_an_even_split(backend, mesh):
+def test_from_local_without_a_shape_of_even_shards(backend, mesh):
     spec = fd.P(tuple(reversed(mesh.names)))
     for got in backend.run(job_from_local_even, mesh.shape, mesh.names):
         assert got["shape"] == (2 * mesh.size, 3)
