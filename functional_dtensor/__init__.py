@@ -6,6 +6,7 @@ same program runs on the simulated backend (every device in one process) and on
 ``torch.distributed``.
 """
 
+from . import random
 from ._collectives import (
     all_gather,
     all_to_all,
@@ -35,13 +36,14 @@ from ._errors import (
     SpecError,
 )
 from ._explain import PlanReport, explain_redistribute
-from ._factories import empty, full, ones, rand, randn, zeros
+from ._factories import empty, full, ones, zeros
 from ._layout import Layout
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._redistribute import redistribute  # installs DTensor.redistribute
 from ._shard_map import shard_map
 from ._spec import P
+from .random import rand, randn
 
 __version__ = "0.1.0"
 
@@ -87,6 +89,7 @@ __all__ = [
     "ones",
     "rand",
     "randn",
+    "random",
     "redistribute",
     "simulated_mesh",
     "zeros",

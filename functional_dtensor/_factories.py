@@ -1,9 +1,5 @@
-"""Factories that materialize only the local shards of a global value (as DTensor's).
-
-Random values depend on the layout's shards, not on the backend: each distinct shard is drawn
-from its own generator, seeded from one number drawn from torch's default generator (so
-``torch.manual_seed`` makes them reproducible, and equally seeded ranks agree). The simulated
-and the distributed backend give the same values.
+"""Factories that materialize only the local shards of a global value (as DTensor's); the
+random ones, ``rand`` and ``randn``, are in :mod:`.random`.
 
 >>> import functional_dtensor as fd
 >>> mesh = fd.simulated_mesh((2, 2), ("x", "y"))
@@ -13,7 +9,6 @@ torch.Size([2, 2])
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -25,10 +20,10 @@ from ._errors import InputTypeError, ShapeError, explain
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 
-__all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
+__all__ = ["zeros", "ones", "empty", "full", "global_shape", "check_dtype", "on_meta"]
 
 
-def _shape(size: tuple, api: str) -> tuple[int, ...]:
+def global_shape(size: tuple, api: str) -> tuple[int, ...]:
     """The global shape from a factory's sizes: ints (``zeros(2, 3)``) or one sequence of them
     (``zeros((2, 3))``), each at least 0."""
     sizes = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
@@ -49,7 +44,7 @@ def _shape(size: tuple, api: str) -> tuple[int, ...]:
     return shape
 
 
-def _check_dtype(dtype, api: str) -> None:
+def check_dtype(dtype, api: str) -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise InputTypeError(
             explain(
@@ -62,7 +57,7 @@ def _check_dtype(dtype, api: str) -> None:
         )
 
 
-def _on_meta(device, mesh: DeviceMesh, api: str) -> bool:
+def on_meta(device, mesh: DeviceMesh, api: str) -> bool:
     """Whether a factory builds a meta value (shapes and layout, no memory): ``device`` is
     ``"meta"``; ``None`` or the mesh's device type build a real one."""
     if device is None:
@@ -102,10 +97,10 @@ def _factory(name: str, doc: str, blocks_for):
         requires_grad: bool = False,
         device: str | torch.device | None = None,
     ) -> DTensor:
-        shape = _shape(size, f"fd.{name}")
-        _check_dtype(dtype, f"fd.{name}")
+        shape = global_shape(size, f"fd.{name}")
+        check_dtype(dtype, f"fd.{name}")
         layout = layout_for(mesh, placements, len(shape), f"fd.{name}")
-        if _on_meta(device, layout.mesh, f"fd.{name}"):
+        if on_meta(device, layout.mesh, f"fd.{name}"):
             storage = backend_of(layout.mesh).meta(layout, shape, dtype)
         else:
             storage = _build(layout, shape, blocks_for(layout, dtype))
@@ -127,36 +122,9 @@ def _filled(name: str, fill: Callable[..., torch.Tensor]):
     return _factory(name, doc, blocks_for)
 
 
-def _random(name: str, draw: Callable[..., torch.Tensor]):
-    def blocks_for(layout: Layout, dtype):
-        device = layout.mesh.device_type
-        seed = int(torch.randint(0, 2**62, ()))  # the same on equally seeded ranks
-
-        def one(block_shape, shard: int) -> torch.Tensor:
-            generator = torch.Generator(device=device).manual_seed(seed + shard)
-            return draw(block_shape, generator=generator, dtype=dtype, device=device)
-
-        def blocks(block_shape, shard):
-            if shard is not None:
-                return one(block_shape, shard)
-            sizes, inner = block_shape[: layout.mesh.ndim], block_shape[layout.mesh.ndim :]
-            return torch.stack([one(inner, i) for i in range(math.prod(sizes))]).reshape(block_shape)
-
-        return blocks
-
-    doc = (
-        f"A global value of shape ``size`` drawn as ``torch.{name}``, materializing only local shards; "
-        "each distinct shard from its own generator (the same values on either backend); "
-        "``device='meta'``: a value of shapes and layout only, drawing nothing."
-    )
-    return _factory(name, doc, blocks_for)
-
-
 zeros = _filled("zeros", torch.zeros)
 ones = _filled("ones", torch.ones)
 empty = _filled("empty", torch.empty)
-rand = _random("rand", torch.rand)
-randn = _random("randn", torch.randn)
 
 
 def full(
@@ -171,9 +139,9 @@ def full(
 ) -> DTensor:
     """A global value of shape ``size`` filled with ``fill_value``, materializing only shards
     (none with ``device='meta'``: a value of shapes and layout only)."""
-    shape = _shape((size,), "fd.full")
-    _check_dtype(dtype, "fd.full")
+    shape = global_shape((size,), "fd.full")
+    check_dtype(dtype, "fd.full")
     layout = layout_for(mesh, placements, len(shape), "fd.full")
-    device = "meta" if _on_meta(device, layout.mesh, "fd.full") else layout.mesh.device_type
+    device = "meta" if on_meta(device, layout.mesh, "fd.full") else layout.mesh.device_type
     storage = _build(layout, shape, lambda s, shard: torch.full(s, fill_value, dtype=dtype, device=device))
     return DTensor(storage.requires_grad_(requires_grad), layout, shape)

@@ -1,0 +1,602 @@
+"""Random numbers from explicit keys, the same for every mesh, layout, backend and device.
+
+A *key* is an int64 tensor of shape ``(2,)``: two 32-bit words. Functions take keys and return
+new ones (:func:`split`, :func:`fold_in`); nothing writes to a key. A draw is a pure function of
+its key and each element's index in the global tensor (Philox4x32-10, counter-based), so a
+sharded draw holds exactly the values of the unsharded one, and each device computes only its
+own shard.
+
+>>> import torch, functional_dtensor as fd
+>>> key = fd.random.key(0)
+>>> mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+>>> a = fd.random.normal(key, (6, 5), mesh=mesh, placements=fd.P("x", "y"))
+>>> b = fd.random.normal(key, (6, 5), mesh=mesh, placements=fd.P(None, ("y", "x")))
+>>> torch.equal(a.full_tensor(), b.full_tensor())
+True
+>>> torch.equal(a.full_tensor(), fd.random.normal(key, (6, 5)))
+True
+
+Inside ``shard_map`` a draw without a mesh is a local tensor: the same on every device for a
+replicated key; ``fold_in(key, fd.axis_index("x"))`` gives each device along ``x`` its own
+stream, and :func:`dropout` does that for the axes its input varies over.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from . import _philox, _philox_native
+from ._backend import backend_of
+from ._blocks import distinct_shards
+from ._collectives import axis_index
+from ._context import current_frame
+from ._dtensor import DTensor, layout_for, storage_of, without_partial
+from ._errors import InputTypeError, ShapeError, explain
+from ._factories import check_dtype, global_shape, on_meta
+from ._layout import Layout, PlacementsOrSpec
+from ._mesh import DeviceMesh
+from ._sharding import shard_table
+from ._simulated import functorch
+from ._varying import axes_varying, tag
+
+__all__ = [
+    "key",
+    "split",
+    "fold_in",
+    "uniform",
+    "normal",
+    "bernoulli",
+    "randint",
+    "dropout",
+    "rand",
+    "randn",
+]
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+def key(seed: int, *, device: str | torch.device | None = None) -> torch.Tensor:
+    """A key from an integer seed (any size; taken modulo ``2**64``).
+
+    >>> key(1)
+    tensor([1, 0])
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        try:
+            seed = operator.index(seed)
+        except TypeError:
+            seed = None
+    if seed is None:
+        raise InputTypeError(
+            explain(
+                "fd.random.key(seed)",
+                "a key is built from an integer",
+                expected="a Python int",
+                got=repr(seed),
+                fix="pass an int, e.g. fd.random.key(0)",
+            )
+        )
+    return torch.tensor([seed & _philox.MASK, (seed >> 32) & _philox.MASK], dtype=torch.int64, device=device)
+
+
+def _check_key(k, where: str) -> torch.Tensor:
+    if not isinstance(k, torch.Tensor) or k.dtype != torch.int64 or tuple(k.shape) != (2,):
+        got = (
+            f"a {k.dtype} tensor of shape {tuple(k.shape)}"
+            if isinstance(k, torch.Tensor)
+            else type(k).__name__
+        )
+        fix = (
+            "take one key of the batch: keys[i]"
+            if isinstance(k, torch.Tensor) and k.ndim == 2
+            else ("make one with fd.random.key(seed), fd.random.split or fd.random.fold_in")
+        )
+        raise InputTypeError(
+            explain(
+                where, "a key is two 32-bit words", expected="an int64 tensor of shape (2,)", got=got, fix=fix
+            )
+        )
+    return k
+
+
+def _words(k: torch.Tensor):
+    return k[0] & _philox.MASK, k[1] & _philox.MASK
+
+
+def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
+    """``num`` new keys, independent of each other and of ``key``'s own draws: shape ``(num, 2)``.
+
+    >>> k1, k2 = split(key(0))
+    >>> bool((k1 != k2).any())
+    True
+    """
+    _check_key(key, "fd.random.split(key)")
+    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+        raise InputTypeError(
+            explain(
+                "fd.random.split(num)",
+                "the number of keys is a count",
+                expected="an int of 0 or more",
+                got=repr(num),
+                fix="pass e.g. num=2",
+            )
+        )
+    counter = torch.arange(num, device=key.device)
+    w = _philox.philox(*_words(key), counter, 0, _philox.SPLIT, 0)
+    return torch.stack([w[0], w[1]], dim=-1)
+
+
+def fold_in(key: torch.Tensor, data) -> torch.Tensor:
+    """A new key for ``key`` and the integer ``data`` (an int, or an integer tensor of one
+    element such as ``fd.axis_index("x")``): distinct data give independent keys.
+
+    >>> torch.equal(fold_in(key(0), 3), fold_in(key(0), torch.tensor(3)))
+    True
+    """
+    _check_key(key, "fd.random.fold_in(key)")
+    if isinstance(data, torch.Tensor):
+        if (
+            data.dtype.is_floating_point
+            or data.dtype.is_complex
+            or data.dtype == torch.bool
+            or data.numel() != 1
+        ):
+            raise InputTypeError(
+                explain(
+                    "fd.random.fold_in(data)",
+                    "the data folded into a key is one integer",
+                    expected="an int, or an integer tensor of one element",
+                    got=f"a {data.dtype} tensor of shape {tuple(data.shape)}",
+                    fix="fold in one integer at a time (e.g. fd.axis_index('x'))",
+                )
+            )
+        data = data.reshape(()).to(torch.int64)
+    elif isinstance(data, int) and not isinstance(data, bool):
+        data &= 0xFFFFFFFFFFFFFFFF  # two's complement words, as an int64 holds them
+        data = torch.tensor(
+            data - (1 << 64) if data >= 1 << 63 else data, dtype=torch.int64, device=key.device
+        )
+    else:
+        raise InputTypeError(
+            explain(
+                "fd.random.fold_in(data)",
+                "the data folded into a key is one integer",
+                expected="an int, or an integer tensor of one element",
+                got=repr(data),
+                fix="pass an int such as a step number, or fd.axis_index('x')",
+            )
+        )
+    w = _philox.philox(*_words(key), data & _philox.MASK, (data >> 32) & _philox.MASK, _philox.FOLD, 0)
+    return torch.stack([w[0], w[1]])
+
+
+# --- where each element's draw comes from --------------------------------------------------------
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def _runs(offset, local, shape, padded, base: int):
+    """The contiguous runs of a box (``local`` elements from ``offset`` of the global ``shape``)
+    written into a block of shape ``padded`` at element ``base``: int64 tensors of the runs'
+    first global indices, first elements in the block, and lengths."""
+    offset, local, shape, padded = list(offset), list(local), list(shape), list(padded)
+    while len(local) > 1 and local[-1] == shape[-1] == padded[-1]:  # whole rows: one run
+        offset[-2:] = [offset[-2] * shape[-1] + offset[-1]]
+        for values in (local, shape, padded):
+            values[-2:] = [values[-2] * values[-1]]
+    if not local:
+        local, offset, shape, padded = [1], [0], [1], [1]
+    starts, firsts = torch.zeros(1, dtype=torch.int64), torch.full((1,), base, dtype=torch.int64)
+    for d, (g, p) in enumerate(zip(_strides(shape[:-1]), _strides(padded[:-1]))):
+        step = torch.arange(local[d], dtype=torch.int64)
+        starts = (starts[:, None] + (offset[d] + step) * g * shape[-1]).flatten()
+        firsts = (firsts[:, None] + step * p * padded[-1]).flatten()
+    lengths = torch.full_like(starts, local[-1])
+    return starts + offset[-1], firsts, lengths
+
+
+def _index(offset, local, shape, device) -> torch.Tensor:
+    """The global flat indices of a box, as a tensor of shape ``local``."""
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    for d, stride in enumerate(_strides(shape)):
+        view = [1] * len(shape)
+        view[d] = local[d]
+        index = index + ((offset[d] + torch.arange(local[d], device=device)) * stride).view(view)
+    return index.expand(tuple(local))
+
+
+class _Draw:
+    """One kind of draw: its name in :mod:`._philox`, its parameter, the dtype it yields and the
+    one its kernel computes in, and the affine map applied after (``scale``, ``shift``)."""
+
+    def __init__(self, kind: str, dtype: torch.dtype, param=None, scale=1.0, shift=0.0) -> None:
+        self.kind, self.dtype, self.param, self.scale, self.shift = kind, dtype, param, scale, shift
+        if kind in ("uniform", "normal"):
+            wide = dtype == torch.float64
+            self.native = f"{kind}{64 if wide else 32}"
+            self.buffer = torch.float64 if wide else torch.float32
+            self.extra = (_philox.DIGITS[dtype],) if self.native == "uniform32" else ()
+        elif kind == "bernoulli":
+            self.native, self.buffer = "bernoulli", torch.bool
+            self.extra = (float(param),) if not isinstance(param, torch.Tensor) else None
+        else:
+            low, high = param
+            self.native, self.buffer, self.extra = "randint", torch.int64, (low, high - low)
+
+    def finish(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.to(self.dtype)
+        if self.scale != 1.0:
+            values = values * self.scale
+        if self.shift != 0.0:
+            values = values + self.shift
+        return values
+
+    def uses_native(self, key: torch.Tensor, device: torch.device) -> bool:
+        return (
+            device.type == "cpu"
+            and key.device.type == "cpu"
+            and self.extra is not None
+            and not torch.compiler.is_compiling()
+            and not functorch.is_transformed(key)
+            and _philox_native.available()
+        )
+
+    def boxes(self, key: torch.Tensor, boxes, shape, padded, device) -> torch.Tensor:
+        """``(len(boxes), *padded)``: box ``b`` (offset, local shape) drawn into block ``b``;
+        padding zero."""
+        even = all(tuple(local) == tuple(padded) for _, local in boxes)
+        if self.uses_native(key, device):
+            size = math.prod(padded)
+            out = (torch.empty if even else torch.zeros)((len(boxes), *padded), dtype=self.buffer)
+            runs = [_runs(offset, local, shape, padded, b * size) for b, (offset, local) in enumerate(boxes)]
+            starts, firsts, lengths = (torch.cat(parts) for parts in zip(*runs))
+            k0, k1 = (int(w) & _philox.MASK for w in key.tolist())
+            _philox_native.fill(self.native, (k0, k1), starts, firsts, lengths, out, *self.extra)
+            return self.finish(out)
+        key = key.to(device)
+        blocks = []
+        for offset, local in boxes:
+            values = _philox.draw(
+                key, _index(offset, local, shape, device), self.kind, self.dtype, self.param
+            )
+            values = self.finish(values)
+            pad = [p for size, full in zip(reversed(local), reversed(padded)) for p in (0, full - size)]
+            blocks.append(torch.nn.functional.pad(values, pad) if not even else values)
+        return torch.stack(blocks) if blocks else torch.empty((0, *padded), dtype=self.dtype, device=device)
+
+
+def _local(draw: _Draw, key: torch.Tensor, shape: tuple[int, ...], device) -> torch.Tensor:
+    device = key.device if device is None else torch.device(device)
+    out = draw.boxes(key, [((0,) * len(shape), shape)], shape, shape, device)[0]
+    return tag(out, axes_varying(key))
+
+
+def _sharded(draw: _Draw, key: torch.Tensor, shape: tuple[int, ...], layout: Layout) -> DTensor:
+    mesh = layout.mesh
+    device = torch.device(mesh.device_type)
+    table = shard_table(layout, shape)
+    sizes, padded = distinct_shards(layout, shape)
+    strides = _strides(mesh.shape)
+
+    def box(shard: int):  # a distinct shard's box: the one of a device at its coordinates
+        coordinate = [0] * mesh.ndim
+        for axis in reversed(range(mesh.ndim)):
+            shard, coordinate[axis] = divmod(shard, sizes[axis])
+        device_index = sum(c * s for c, s in zip(coordinate, strides))
+        return table.offsets[device_index], table.local_shapes[device_index]
+
+    def blocks(block_shape, shard):
+        chosen = range(math.prod(sizes)) if shard is None else [shard]
+        return draw.boxes(key, [box(s) for s in chosen], shape, padded, device).reshape(block_shape)
+
+    return DTensor(backend_of(mesh).materialize(layout, shape, blocks), layout, shape)
+
+
+def _generate(api: str, draw: _Draw, key, shape, mesh, placements, device, requires_grad=False):
+    _check_key(key, f"{api}(key)")
+    if mesh is None:
+        if placements is not None:
+            raise InputTypeError(
+                explain(
+                    f"{api}(placements)",
+                    "placements lay out a value on a mesh",
+                    expected="mesh= with placements=, or neither (a local tensor)",
+                    got=f"placements={placements!r} without a mesh",
+                    fix="pass mesh=..., or leave placements out",
+                )
+            )
+        out = _local(draw, key, shape, device)
+        return out.requires_grad_() if requires_grad else out
+    if placements is None:
+        raise InputTypeError(
+            explain(
+                f"{api}(placements)",
+                "a value on a mesh needs a layout",
+                expected="placements (one per mesh axis) or an fd.P spec",
+                got="None",
+                fix="pass e.g. placements=fd.P('x') (fd.P() replicates)",
+            )
+        )
+    layout = placements if isinstance(placements, Layout) else layout_for(mesh, placements, len(shape), api)
+    if on_meta(device, layout.mesh, api):
+        storage = backend_of(layout.mesh).meta(layout, shape, draw.dtype)
+        return DTensor(storage.requires_grad_(requires_grad), layout, shape)
+    out = _sharded(draw, key, shape, layout)
+    if requires_grad:
+        storage_of(out).requires_grad_(True)
+    return out
+
+
+def _float_dtype(dtype, api: str) -> torch.dtype:
+    check_dtype(dtype, api)
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if dtype not in _FLOATS:
+        raise InputTypeError(
+            explain(
+                f"{api}(dtype)",
+                "this draw gives floating-point values",
+                expected="torch.float32, float64, float16 or bfloat16",
+                got=repr(dtype),
+                fix="pass a floating dtype (fd.random.randint draws integers)",
+            )
+        )
+    return dtype
+
+
+def _number(value, name: str, api: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputTypeError(
+            explain(
+                f"{api}({name})",
+                f"{name} is a number",
+                expected="an int or a float",
+                got=repr(value),
+                fix=f"pass a Python number for {name}",
+            )
+        )
+    return float(value)
+
+
+def _draw_shape(shape, api: str) -> tuple[int, ...]:
+    return global_shape((shape,), api)
+
+
+# --- draws ---------------------------------------------------------------------------------------
+
+
+def uniform(
+    key: torch.Tensor,
+    shape: Sequence[int] = (),
+    dtype: torch.dtype | None = None,
+    low: float = 0.0,
+    high: float = 1.0,
+    *,
+    mesh: DeviceMesh | None = None,
+    placements: PlacementsOrSpec | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor | DTensor:
+    """Floats uniform in ``[low, high)``; with ``mesh`` and ``placements`` an ``fd.DTensor``
+    whose global value is the same for every layout.
+
+    The values in ``[0, 1)`` are exact: the dtype's significand bits of one 32-bit word (53
+    bits of two for float64). ``device`` (without a mesh): where the tensor is made (default:
+    the key's device); ``"meta"`` with a mesh draws nothing.
+    """
+    api = "fd.random.uniform"
+    dtype = _float_dtype(dtype, api)
+    low, high = _number(low, "low", api), _number(high, "high", api)
+    draw = _Draw("uniform", dtype, scale=high - low, shift=low)
+    return _generate(api, draw, key, _draw_shape(shape, api), mesh, placements, device)
+
+
+def normal(
+    key: torch.Tensor,
+    shape: Sequence[int] = (),
+    dtype: torch.dtype | None = None,
+    mean: float = 0.0,
+    std: float = 1.0,
+    *,
+    mesh: DeviceMesh | None = None,
+    placements: PlacementsOrSpec | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor | DTensor:
+    """Normal floats (``mean``, ``std``); with ``mesh`` and ``placements`` an ``fd.DTensor``
+    whose global value is the same for every layout.
+
+    Box-Muller from one Philox block per element, computed in float32 (float64 for float64)
+    with its own logarithm, cosine and square root, so every device computes the same bits.
+    """
+    api = "fd.random.normal"
+    dtype = _float_dtype(dtype, api)
+    draw = _Draw("normal", dtype, scale=_number(std, "std", api), shift=_number(mean, "mean", api))
+    return _generate(api, draw, key, _draw_shape(shape, api), mesh, placements, device)
+
+
+def bernoulli(
+    key: torch.Tensor,
+    p: float | torch.Tensor = 0.5,
+    shape: Sequence[int] | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    placements: PlacementsOrSpec | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor | DTensor:
+    """Bools, each ``True`` with probability ``p`` (a float, or for a local draw a tensor that
+    broadcasts to ``shape``; ``shape`` defaults to ``p``'s)."""
+    api = "fd.random.bernoulli"
+    if isinstance(p, torch.Tensor):
+        if mesh is not None:
+            raise InputTypeError(
+                explain(
+                    f"{api}(p)",
+                    "a draw on a mesh takes one probability",
+                    expected="a float in [0, 1]",
+                    got=f"a tensor of shape {tuple(p.shape)}",
+                    fix="pass a float, or draw uniform values and compare them with your tensor",
+                )
+            )
+        shape = tuple(p.shape) if shape is None else shape
+    else:
+        p = _number(p, "p", api)
+        if not 0.0 <= p <= 1.0:
+            raise ShapeError(
+                explain(
+                    f"{api}(p)",
+                    "p is a probability",
+                    expected="0 <= p <= 1",
+                    got=repr(p),
+                    fix="pass p in [0, 1]",
+                )
+            )
+        shape = () if shape is None else shape
+    return _generate(
+        api, _Draw("bernoulli", torch.bool, p), key, _draw_shape(shape, api), mesh, placements, device
+    )
+
+
+def randint(
+    key: torch.Tensor,
+    shape: Sequence[int],
+    low: int,
+    high: int,
+    dtype: torch.dtype = torch.int64,
+    *,
+    mesh: DeviceMesh | None = None,
+    placements: PlacementsOrSpec | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor | DTensor:
+    """Integers uniform in ``[low, high)`` (from 63 random bits: the bias is below
+    ``(high - low) / 2**63``)."""
+    api = "fd.random.randint"
+    check_dtype(dtype, api)
+    for name, value in (("low", low), ("high", high)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputTypeError(
+                explain(
+                    f"{api}({name})",
+                    f"{name} is an integer",
+                    expected="an int",
+                    got=repr(value),
+                    fix="pass an int",
+                )
+            )
+    if dtype not in _INTEGERS or not low < high:
+        raise (InputTypeError if dtype not in _INTEGERS else ShapeError)(
+            explain(
+                api,
+                "randint draws integers from a non-empty range",
+                expected=f"an integer dtype and low < high, got dtype={dtype}",
+                got=f"low={low}, high={high}",
+                fix="pass low < high and an integer dtype such as torch.int64",
+            )
+        )
+    draw = _Draw("randint", dtype, (low, high))
+    return _generate(api, draw, key, _draw_shape(shape, api), mesh, placements, device)
+
+
+def dropout(key: torch.Tensor, x, p: float = 0.5):
+    """``x`` with each element zeroed with probability ``p`` and the rest scaled by
+    ``1 / (1 - p)``, as ``torch.nn.functional.dropout`` in training.
+
+    On an ``fd.DTensor`` the mask is a draw over the global shape: the same for every layout.
+    Inside ``shard_map`` ``x`` is a local tensor and the key is folded with the device's index
+    along the mesh axes that ``x`` varies over (every axis of the ``shard_map`` where
+    ``check_rep=False``): devices that hold the same values drop the same elements, devices that
+    hold different shards drop independently.
+    """
+    api = "fd.random.dropout"
+    _check_key(key, f"{api}(key)")
+    p = _number(p, "p", api)
+    if not 0.0 <= p <= 1.0:
+        raise ShapeError(
+            explain(
+                f"{api}(p)", "p is a probability", expected="0 <= p <= 1", got=repr(p), fix="pass p in [0, 1]"
+            )
+        )
+    if isinstance(x, DTensor):
+        keep = _sharded(
+            _Draw("bernoulli", torch.bool, 1.0 - p), key, tuple(x.shape), without_partial(x.layout)
+        )
+        mask = storage_of(keep)
+        scaled = storage_of(x) * mask * (1.0 / (1.0 - p)) if p < 1.0 else storage_of(x) * mask
+        return DTensor(scaled, x.layout, x.shape)
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(
+            explain(
+                f"{api}(x)",
+                "dropout applies to a tensor",
+                expected="a torch.Tensor or an fd.DTensor",
+                got=type(x).__name__,
+                fix="pass the activations to drop",
+            )
+        )
+    frame = current_frame()
+    if frame is not None:
+        varying = axes_varying(x) if frame.check_rep else frozenset(frame.mesh.axis_names)
+        axes = tuple(a for a in frame.mesh.axis_names if a in varying)
+        if axes:
+            key = fold_in(key, axis_index(axes))
+    mask = bernoulli(key, 1.0 - p, tuple(x.shape), device=x.device)
+    return x * mask * (1.0 / (1.0 - p)) if p < 1.0 else x * mask
+
+
+# --- the factories' random forms -------------------------------------------------------------------
+
+
+def _default_key() -> torch.Tensor:
+    """A key drawn from torch's default generator: ``torch.manual_seed`` makes it reproducible,
+    and equally seeded ranks agree."""
+    return key(int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64)))
+
+
+def _factory(name: str, draw_for):
+    def factory(
+        *size: int | Sequence[int],
+        mesh: DeviceMesh,
+        placements: PlacementsOrSpec,
+        dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
+        device: str | torch.device | None = None,
+        key: torch.Tensor | None = None,
+    ) -> DTensor:
+        api = f"fd.{name}"
+        shape = global_shape(size, api)
+        draw = draw_for(_float_dtype(dtype, api))
+        key = _default_key() if key is None else key
+        return _generate(api, draw, key, shape, mesh, placements, device, requires_grad)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = (
+        f"A global value of shape ``size`` drawn as :func:`fd.random.{draw_for.__name__}` from ``key``, "
+        "materializing only local shards; the same values for every mesh and layout. Without a key, "
+        "one is drawn from torch's default generator (``torch.manual_seed`` makes it reproducible). "
+        "``device='meta'``: shapes and layout only, drawing nothing."
+    )
+    return factory
+
+
+def _uniform(dtype):
+    return _Draw("uniform", dtype)
+
+
+def _normal(dtype):
+    return _Draw("normal", dtype)
+
+
+_uniform.__name__, _normal.__name__ = "uniform", "normal"
+rand = _factory("rand", _uniform)
+randn = _factory("randn", _normal)
