@@ -113,8 +113,9 @@ def _uniform_integer(w0, w1, digits: int):
     return (w0 << (digits - 32)) | (w1 >> (64 - digits))
 
 
-def _normal(words, dtype: torch.dtype) -> torch.Tensor:
-    """Box-Muller from four words: radius from the first half, angle from the second."""
+def _normal(words, odd, dtype: torch.dtype) -> torch.Tensor:
+    """Box-Muller from four words, radius from the first half and angle ``t`` from the second:
+    ``r cos(t)`` for an even index, ``r sin(t)`` (``cos(t - pi/2)``) for the odd one after it."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     digits, c = DIGITS[work], POLYNOMIALS[work]
     scale = 2.0**-digits
@@ -129,7 +130,7 @@ def _normal(words, dtype: torch.dtype) -> torch.Tensor:
     k = _uniform_integer(words[2], words[3], digits)  # the angle 2*pi*k/2**digits
     quadrant, rest = k >> (digits - 2), k & ((1 << (digits - 2)) - 1)
     up = (rest >= 1 << (digits - 3)).to(torch.int64)
-    rest, quadrant = rest - (up << (digits - 2)), (quadrant + up) & 3  # rest in [-1/8, 1/8) turns
+    rest, quadrant = rest - (up << (digits - 2)), (quadrant + up + 3 * odd) & 3  # rest in [-1/8, 1/8) turns
     a = rest.to(work) * rounded(2 * math.pi * scale, "f" if work == torch.float32 else "d")
     a2 = a * a
     cos, sin = _horner(a2, c["cos"]), a * _horner(a2, c["sin"])
@@ -143,17 +144,20 @@ def draw(key: torch.Tensor, index: torch.Tensor, kind: str, dtype: torch.dtype, 
     """The draw ``kind`` at global flat indices ``index`` (int64) under ``key`` (int64 ``(2,)``):
 
     - ``"uniform"``: floats in ``[0, 1)`` with the dtype's significand bits, exact;
-    - ``"normal"``: standard normal floats (Box-Muller, computed in float32 or float64);
+    - ``"normal"``: standard normal floats (Box-Muller, computed in float32 or float64; the
+      pair of one block at an even index and the odd one after it);
     - ``"bernoulli"``: bools, ``True`` with probability ``param`` (a float or a tensor);
     - ``"randint"``: ints in ``[low, high)`` for ``param = (low, high)``, in ``dtype``.
     """
+    if kind == "normal":  # a pair of normals per block
+        block = index >> 1
+        words = philox(key[0], key[1], block & MASK, block >> 32, DRAW, 0)
+        return _normal(words, index & 1, dtype)
     words = philox(key[0], key[1], index & MASK, index >> 32, DRAW, 0)
     if kind == "uniform":
         digits = DIGITS[dtype]
         work = torch.float64 if digits > 24 else torch.float32
         return (_uniform_integer(words[0], words[1], digits).to(work) * 2.0**-digits).to(dtype)
-    if kind == "normal":
-        return _normal(words, dtype)
     if kind == "bernoulli":
         return words[0].to(torch.float64) * 2.0**-32 < param
     if kind == "randint":

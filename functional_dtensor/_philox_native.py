@@ -52,7 +52,8 @@ def _horner(x: str, coefficients, suffix: str) -> str:
 
 def _normal(work: torch.dtype) -> str:
     """``_philox._normal`` for one working dtype as a C function of the two integers it draws
-    from: ``u`` in ``[1, 2**D]`` (the radius) and ``k`` in ``[0, 2**D)`` (the angle)."""
+    from, ``u`` in ``[1, 2**D]`` (the radius) and ``k`` in ``[0, 2**D)`` (the angle): the pair
+    of normals ``r cos(t)`` and ``r sin(t)``, of an even index and the odd one after it."""
     T, U, f, shift, mask, bias = _C_TYPES[work]
     D, c = DIGITS[work], POLYNOMIALS[work]
     Int, one = ("int32_t", "1") if work == torch.float32 else ("int64_t", "1LL")
@@ -61,7 +62,7 @@ def _normal(work: torch.dtype) -> str:
     newton = f"y = (y + m / y) * 0.5{f};\n    " * SQRT_STEPS[work]
     turn = rounded(2 * math.pi * 2.0**-D, "f" if work == torch.float32 else "d").hex() + f
     return f"""
-static inline {T} normal_{T}({U} u_int, {Int} k) {{
+static inline void normal_{T}({U} u_int, {Int} k, {T} *even, {T} *odd) {{
     {U} bits; {T} m;
     {T} u = ({T})u_int * 0x1p-{D}{f};
     memcpy(&bits, &u, sizeof u);
@@ -79,9 +80,9 @@ static inline {T} normal_{T}({U} u_int, {Int} k) {{
     e = {exponent} - {bias - 1};
     bits = {fraction} | (({U}){bias - 1} << {shift});
     memcpy(&m, &bits, sizeof m);
-    int odd = e & 1;
-    m = odd ? m * 2.0{f} : m;
-    e -= odd;
+    int e_odd = e & 1;
+    m = e_odd ? m * 2.0{f} : m;
+    e -= e_odd;
     {T} y = m * 0.5{f} + 0.5{f};
     {newton}{U} scale_bits = ({U})((e >> 1) + {bias}) << {shift};
     {T} scale;
@@ -95,7 +96,8 @@ static inline {T} normal_{T}({U} u_int, {Int} k) {{
     {T} a2 = a * a;
     {T} cos = {_horner("a2", c["cos"], f)};
     {T} sin = a * {_horner("a2", c["sin"], f)};
-    return radius * (quadrant == 0 ? cos : quadrant == 1 ? -sin : quadrant == 2 ? -cos : sin);
+    *even = radius * (quadrant == 0 ? cos : quadrant == 1 ? -sin : quadrant == 2 ? -cos : sin);
+    *odd = radius * (quadrant == 1 ? cos : quadrant == 2 ? -sin : quadrant == 3 ? -cos : sin);
 }}
 """
 
@@ -155,9 +157,27 @@ void fd_uniform32(ARGS, int digits) {{
 
 void fd_uniform64(ARGS) {{ RUNS(double, (double){wide01} * 0x1p-{d64}) }}
 
-void fd_normal32(ARGS) {{ RUNS(float, normal_float({u32} + 1u, (int32_t){k32})) }}
+/* element i is the even (i % 2 == 0) or odd normal of block i / 2: pairs of a run in one step */
+#define NORMAL_RUNS(T, U, V) \
+    for (int64_t r = 0; r < runs; r++) {{ \
+        uint64_t i = (uint64_t)starts[r], end = i + (uint64_t)lengths[r]; T *dst = (T *)out + offsets[r]; \
+        uint32_t w[4]; T even, odd; \
+        if (i < end && (i & 1)) {{ \
+            philox(k0, k1, i >> 1, w); normal_##T(U, V, &even, &odd); *dst++ = odd; i++; \
+        }} \
+        uint64_t first = i >> 1, pairs = (end - i) >> 1; \
+        for (uint64_t p = 0; p < pairs; p++) {{ \
+            philox(k0, k1, first + p, w); normal_##T(U, V, &even, &odd); \
+            dst[2 * p] = even; dst[2 * p + 1] = odd; \
+        }} \
+        if ((end - i) & 1) {{ \
+            philox(k0, k1, first + pairs, w); normal_##T(U, V, &even, &odd); dst[2 * pairs] = even; \
+        }} \
+    }}
 
-void fd_normal64(ARGS) {{ RUNS(double, normal_double({wide01} + 1u, (int64_t){wide23})) }}
+void fd_normal32(ARGS) {{ NORMAL_RUNS(float, {u32} + 1u, (int32_t){k32}) }}
+
+void fd_normal64(ARGS) {{ NORMAL_RUNS(double, {wide01} + 1u, (int64_t){wide23}) }}
 
 void fd_bernoulli(ARGS, double p) {{ RUNS(uint8_t, (double)w[0] * 0x1p-32 < p) }}
 

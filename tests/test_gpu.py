@@ -41,3 +41,24 @@ def test_redistribute_on_a_simulated_cuda_mesh():
     y = fd.redistribute(x, fd.P("y", "x"))
     assert y.to_local(device=1).device.type == "cuda"
     torch.testing.assert_close(y.full_tensor().cpu(), t)
+
+
+def test_random_draws_on_cuda_equal_the_cpu_draws():
+    """Integer and uniform draws are the same bits on CUDA (integer ops and exact conversions);
+    the normal's polynomials use only correctly rounded ``+ - * /``, so its bits agree too."""
+    key = fd.random.key(7)
+    for device in ("cpu", "cuda"):
+        mesh = fd.simulated_mesh((2, 2), ("x", "y"), device_type=device)
+        draws = [
+            fd.random.uniform(key, (9, 7), mesh=mesh, placements=fd.P("x", "y")),
+            fd.random.normal(key, (9, 7), torch.float64, mesh=mesh, placements=fd.P(None, ("y", "x"))),
+            fd.random.normal(key, (9, 7), mesh=mesh, placements=fd.P("y")),
+            fd.random.randint(key, (9, 7), -3, 50, mesh=mesh, placements=fd.P("x")),
+        ]
+        values = [d.full_tensor().cpu() for d in draws]
+        if device == "cpu":
+            expected = values
+    for got, want in zip(values, expected, strict=True):
+        assert torch.equal(got, want)
+    local = fd.random.normal(key.cuda(), (5, 3))
+    assert local.device.type == "cuda" and torch.equal(local.cpu(), fd.random.normal(key, (5, 3)))

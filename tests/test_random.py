@@ -9,6 +9,7 @@ Philox answers and the statistics): every layout must hold exactly its values.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -69,6 +70,14 @@ def assert_identical(a: torch.Tensor, b: torch.Tensor) -> None:
 def test_philox_known_answers(key, counter, expected):
     words = _philox.philox(*[torch.tensor(k) for k in key], *[torch.tensor(c) for c in counter])
     assert tuple(int(w) for w in words) == expected
+
+
+def test_the_fused_kernels_build_wherever_a_compiler_is():
+    """So that the tests of the fused kernels skip only where they cannot run."""
+    import shutil
+
+    if (shutil.which("cc") or shutil.which("gcc")) and os.environ.get("FD_NATIVE_RANDOM") != "0":
+        assert _philox_native.available()
 
 
 KINDS = [
