@@ -34,7 +34,7 @@ from ._backend import backend_of
 from ._blocks import distinct_shards
 from ._collectives import axis_index
 from ._context import current_frame
-from ._dtensor import DTensor, layout_for, storage_of, without_partial
+from ._dtensor import DTensor, check_mesh, layout_for, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
 from ._factories import check_dtype, global_shape, on_meta
 from ._layout import Layout, PlacementsOrSpec
@@ -574,6 +574,7 @@ def _factory(name: str, draw_for):
         key: torch.Tensor | None = None,
     ) -> DTensor:
         api = f"fd.{name}"
+        check_mesh(mesh, f"{api}(device_mesh)")  # a factory makes a value on a mesh
         shape = global_shape(size, api)
         draw = draw_for(_float_dtype(dtype, api))
         key = _default_key() if key is None else key

@@ -1,0 +1,213 @@
+"""Sharding rules of global operations: pure functions from an op's inputs to the ways one mesh
+axis may lay them out.
+
+A rule sees a :class:`Call` (the shapes of the op's tensor inputs, the output's shape and the
+op's own arguments, such as the dims a reduction reduces) and returns its **options** for one
+mesh axis: each an :class:`Option` naming the placement every tensor input must have on that
+axis and the placement the output then has, with no communication. For ``x @ w`` on one axis:
+
+=================== ====================== ==================
+x                   w                      x @ w
+=================== ====================== ==================
+``Shard(0)``        ``Replicate``          ``Shard(0)``
+``Replicate``       ``Shard(1)``           ``Shard(1)``
+``Shard(1)``        ``Shard(0)``           ``Partial(sum)``
+``Partial(sum)``    ``Replicate``          ``Partial(sum)``
+``Replicate``       ``Partial(sum)``       ``Partial(sum)``
+``Replicate``       ``Replicate``          ``Replicate``
+=================== ====================== ==================
+
+A layout of the whole mesh picks one option per axis; the global-op dispatcher picks the
+combination whose redistributes cost the fewest bytes (:mod:`._plan`). Rules know nothing of
+meshes, backends or values: they are tables, and users add their own with
+``fd.register_sharding``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from ._placements import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "Call",
+    "Option",
+    "Rule",
+    "R",
+    "SUM",
+    "elementwise",
+    "linear",
+    "matmul",
+    "reduction",
+    "along",
+    "permutation",
+    "reshape",
+    "concatenation",
+    "embedding",
+]
+
+R = Replicate()
+SUM = Partial("sum")
+
+
+class Call(NamedTuple):
+    """What a rule sees of one call: the shapes of its tensor inputs (``None`` where an input
+    is not a tensor), the output's shape, and the op's arguments a rule needs (``params``)."""
+
+    shapes: tuple[tuple[int, ...] | None, ...]
+    out_shape: tuple[int, ...]
+    params: tuple = ()
+
+
+class Option(NamedTuple):
+    """One way to lay out the op on one mesh axis: a placement per tensor input, and the
+    output's."""
+
+    inputs: tuple[Placement, ...]
+    output: Placement
+
+
+Rule = Callable[[Call], list[Option]]
+
+
+def _aligned(shape: tuple[int, ...], out_ndim: int, dim: int) -> int | None:
+    """The dim of an input of ``shape`` that broadcasting aligns with output dim ``dim``
+    (None where the input has no such dim, or broadcasts it from size 1)."""
+    own = dim - (out_ndim - len(shape))
+    return own if own >= 0 and shape[own] != 1 else None
+
+
+def elementwise(call: Call, *, partial: tuple[int, ...] = ()) -> list[Option]:
+    """An op applied element by element, with broadcasting: every input sharded on the dims
+    aligned with one output dim (replicated where it broadcasts), or every input replicated.
+    ``partial``: the inputs the op is linear in; ``Partial(sum)`` on them (the others
+    replicated) gives ``Partial(sum)``."""
+    shapes = [s for s in call.shapes if s is not None]
+    out_ndim = len(call.out_shape)
+    options = [Option((R,) * len(shapes), R)]
+    for dim in range(out_ndim):
+        if call.out_shape[dim] <= 1:
+            continue
+        inputs = []
+        for shape in shapes:
+            own = _aligned(shape, out_ndim, dim)
+            inputs.append(R if own is None else Shard(own))
+        options.append(Option(tuple(inputs), Shard(dim)))
+    if partial:
+        options.append(Option(tuple(SUM if i in partial else R for i in range(len(shapes))), SUM))
+    return options
+
+
+def linear(call: Call) -> list[Option]:
+    """An elementwise op linear in every input together (``add``, ``sub``, ``neg``)."""
+    shapes = [s for s in call.shapes if s is not None]
+    return elementwise(call, partial=tuple(range(len(shapes))))
+
+
+def matmul(call: Call) -> list[Option]:
+    """``a @ b`` with ``a (..., m, k)`` and ``b (..., k, n)`` (batch dims broadcast; the
+    vector cases are matrices of one row or column)."""
+    a, b = call.shapes
+    out = len(call.out_shape)
+    options = [
+        Option((R, R), R),
+        Option((Shard(len(a) - 2), R), Shard(out - 2)),
+        Option((R, Shard(len(b) - 1)), Shard(out - 1)),
+        Option((Shard(len(a) - 1), Shard(len(b) - 2)), SUM),
+        Option((SUM, R), SUM),
+        Option((R, SUM), SUM),
+    ]
+    for dim in range(out - 2):  # batch dims
+        if call.out_shape[dim] > 1:
+            da, db = _aligned(a[:-2], out - 2, dim), _aligned(b[:-2], out - 2, dim)
+            options.append(Option((R if da is None else Shard(da), R if db is None else Shard(db)), Shard(dim)))
+    return options
+
+
+#: the Partial a sharded reduced dim leaves, per reduction (None: the dim must be whole)
+_PARTIAL_OF = {"sum": SUM, "mean": SUM, "amax": Partial("max"), "amin": Partial("min"), "prod": None}
+
+
+def reduction(call: Call) -> list[Option]:
+    """A reduction over ``params = (kind, dims, keepdim)``: a reduced dim may be sharded where
+    the kind leaves a Partial (``sum`` and ``mean``: sum; ``amax``: max; ``amin``: min), the
+    others stay sharded; a ``Partial(sum)`` input stays one for ``sum`` and ``mean``."""
+    kind, dims, keepdim = call.params
+    (shape,) = [s for s in call.shapes if s is not None]
+    options = [Option((R,), R)]
+    kept = [d for d in range(len(shape)) if d not in dims]
+    for d in range(len(shape)):
+        if shape[d] <= 1:
+            continue
+        if d in dims:
+            if _PARTIAL_OF[kind] is not None:
+                options.append(Option((Shard(d),), _PARTIAL_OF[kind]))
+        else:
+            options.append(Option((Shard(d),), Shard(d if keepdim else kept.index(d))))
+    if kind in ("sum", "mean"):
+        options.append(Option((SUM,), SUM))
+    return options
+
+
+def along(call: Call) -> list[Option]:
+    """An op that needs the dims ``params[0]`` of its first input whole (``softmax``,
+    ``layer_norm``): the other dims may stay sharded, and every other tensor input (a weight
+    over the whole dims) is replicated."""
+    (whole,) = call.params[:1]
+    shapes = call.shapes
+    first = shapes[0]
+    others = sum(1 for s in shapes[1:] if s is not None)
+    options = [Option((R,) * (1 + others), R)]
+    for d in range(len(first)):
+        if d not in whole and first[d] > 1:
+            options.append(Option((Shard(d),) + (R,) * others, Shard(d)))
+    return options
+
+
+def permutation(call: Call) -> list[Option]:
+    """A permutation of the dims (``params[0]``: the output's dims as input dims)."""
+    (order,) = call.params
+    options = [Option((R,), R), Option((SUM,), SUM)]
+    for out_dim, in_dim in enumerate(order):
+        if call.out_shape[out_dim] > 1:
+            options.append(Option((Shard(in_dim),), Shard(out_dim)))
+    return options
+
+
+def reshape(call: Call) -> list[Option]:
+    """A view to another shape: an input dim may stay sharded where it is the first of a group
+    of dims that the view keeps together (``params[0]``: pairs ``(input dim, output dim)``
+    whose blocks correspond)."""
+    (pairs,) = call.params
+    options = [Option((R,), R), Option((SUM,), SUM)]
+    for in_dim, out_dim in pairs:
+        options.append(Option((Shard(in_dim),), Shard(out_dim)))
+    return options
+
+
+def concatenation(call: Call) -> list[Option]:
+    """``cat`` / ``stack`` of equal-rank inputs along ``params[0]`` (an output dim), with
+    ``params[1]``: whether a new dim is made (stack)."""
+    dim, new = call.params
+    shapes = [s for s in call.shapes if s is not None]
+    options = [Option((R,) * len(shapes), R), Option((SUM,) * len(shapes), SUM)]
+    for out_dim in range(len(call.out_shape)):
+        if out_dim == dim:
+            continue
+        in_dim = out_dim - 1 if new and out_dim > dim else out_dim
+        options.append(Option((Shard(in_dim),) * len(shapes), Shard(out_dim)))
+    return options
+
+
+def embedding(call: Call) -> list[Option]:
+    """``embedding(indices, table)``: indices sharded any way (the table replicated), the
+    table sharded on its embedding dim, or on its rows: each device looks up the rows it
+    holds, zeros elsewhere, and the output is their ``Partial(sum)``."""
+    indices, table = call.shapes
+    out = len(call.out_shape)
+    options = [Option((R, R), R), Option((R, Shard(1)), Shard(out - 1)), Option((R, Shard(0)), SUM)]
+    for d in range(len(indices)):
+        if indices[d] > 1:
+            options.append(Option((Shard(d), R), Shard(d)))
+    return options
