@@ -35,14 +35,17 @@ from ._errors import (
     ShapeError,
     SpecError,
 )
-from ._explain import PlanReport, explain_redistribute
+from ._explain import OpReport, PlanReport, explain_redistribute
+from ._explain import explain_op as explain
 from ._factories import empty, full, ones, zeros
+from ._global_ops import register_sharding
 from ._layout import Layout
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._redistribute import redistribute  # installs DTensor.redistribute
 from ._shard_map import shard_map
 from ._spec import P
+from ._torch_ops import install as _install_torch_ops  # noqa: F401  (torch ops on fd.DTensor)
 from .random import rand, randn
 
 __version__ = "0.1.0"
@@ -82,7 +85,10 @@ __all__ = [
     "SpecError",
     "distribute_tensor",
     "empty",
+    "explain",
     "explain_redistribute",
+    "OpReport",
+    "register_sharding",
     "PlanReport",
     "from_local",
     "full",

@@ -19,11 +19,12 @@ import torch
 
 from ._dtensor import DTensor, layout_for
 from ._errors import InputTypeError, explain
+from ._global_ops import decision_for
 from ._layout import Layout, PlacementsOrSpec
 from ._plan import Step, lower_bound, plan, step_bytes
 from ._public import public
 
-__all__ = ["explain_redistribute", "PlanReport"]
+__all__ = ["explain_redistribute", "PlanReport", "explain_op", "OpReport"]
 
 
 @public
@@ -120,6 +121,51 @@ def explain_redistribute(
 
         Console().print(report.table())
     return report
+
+
+@public
+class OpReport(NamedTuple):
+    """How a torch op runs on ``fd.DTensor`` inputs: each input's layout, the layout the op's
+    rule needs and the redistribute between them, and the output's layout. ``str()`` is a
+    few readable lines."""
+
+    op: str
+    inputs: tuple[Layout, ...]
+    required: tuple[Layout, ...]
+    steps: tuple[tuple[Step, ...], ...]
+    total_bytes: Fraction
+    output: Layout
+    out_shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        moved = "no communication" if not self.total_bytes else f"{_size(self.total_bytes)} received per device"
+        lines = [f"{self.op}: {moved}"]
+        for i, (have, need, steps) in enumerate(zip(self.inputs, self.required, self.steps)):
+            how = ", then ".join(str(s) for s in steps) if steps else "as it is"
+            lines.append(f"  input {i}: {have} -> {need}: {how}")
+        lines.append(f"  then {self.op} on each device's shard")
+        lines.append(f"  output: {self.output}, global shape {tuple(self.out_shape)}")
+        return "\n".join(lines)
+
+
+def explain_op(op, /, *args, **kwargs) -> OpReport:
+    """How ``op(*args, **kwargs)`` would run on its ``fd.DTensor`` arguments, without running
+    it: the layouts its rule needs, the redistributes (with the bytes each device receives),
+    and the output's layout.
+
+    >>> import torch, functional_dtensor as fd
+    >>> mesh = fd.simulated_mesh(4, "x")
+    >>> a = fd.distribute_tensor(torch.ones(8, 8), mesh, fd.P(None, "x"))
+    >>> b = fd.distribute_tensor(torch.ones(8, 8), mesh, fd.P("x"))
+    >>> print(fd.explain(torch.matmul, a, b))
+    matmul: no communication
+      input 0: S(1) -> S(1): as it is
+      input 1: S(0) -> S(0): as it is
+      then matmul on each device's shard
+      output: P(sum), global shape (8, 8)
+    """
+    name, tensors, d = decision_for(op, args, kwargs)
+    return OpReport(name, tuple(t.layout for t in tensors), d.inputs, d.steps, d.cost, d.output, d.out_shapes[0])
 
 
 def _size(nbytes: Fraction) -> str:

@@ -121,7 +121,9 @@ def matmul(call: Call) -> list[Option]:
     for dim in range(out - 2):  # batch dims
         if call.out_shape[dim] > 1:
             da, db = _aligned(a[:-2], out - 2, dim), _aligned(b[:-2], out - 2, dim)
-            options.append(Option((R if da is None else Shard(da), R if db is None else Shard(db)), Shard(dim)))
+            options.append(
+                Option((R if da is None else Shard(da), R if db is None else Shard(db)), Shard(dim))
+            )
     return options
 
 

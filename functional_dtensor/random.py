@@ -54,6 +54,7 @@ __all__ = [
     "dropout",
     "rand",
     "randn",
+    "default_key",
 ]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -557,7 +558,7 @@ def dropout(key: torch.Tensor, x, p: float = 0.5):
 # --- the factories' random forms -------------------------------------------------------------------
 
 
-def _default_key() -> torch.Tensor:
+def default_key() -> torch.Tensor:
     """A key drawn from torch's default generator: ``torch.manual_seed`` makes it reproducible,
     and equally seeded ranks agree."""
     return key(int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64)))
@@ -577,7 +578,7 @@ def _factory(name: str, draw_for):
         check_mesh(mesh, f"{api}(device_mesh)")  # a factory makes a value on a mesh
         shape = global_shape(size, api)
         draw = draw_for(_float_dtype(dtype, api))
-        key = _default_key() if key is None else key
+        key = default_key() if key is None else key
         return _generate(api, draw, key, shape, mesh, placements, device, requires_grad)
 
     factory.__name__ = factory.__qualname__ = name

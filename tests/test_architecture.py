@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "functional_dtensor"
 #: stands for every module of a subpackage)
 FLOORS = {
     "records": ["_public", "_cache", "_errors", "_placements", "_spec", "_mesh", "_layout"],
-    "math": ["_sharding", "_blocks", "_plan", "_philox", "_philox_native"],
+    "math": ["_sharding", "_blocks", "_plan", "_philox", "_philox_native", "_rules"],
     "backends": [
         "_simulated.*",
         "_distributed.*",
@@ -31,7 +31,7 @@ FLOORS = {
     ],
     "collectives": ["_context", "_collectives"],
     "values": ["_dtensor", "_factories", "random"],
-    "transformations": ["_tracking", "_shard_map", "_redistribute"],
+    "transformations": ["_tracking", "_shard_map", "_redistribute", "_global_ops", "_torch_ops"],
     "tools": ["_explain", "_comm_debug", "testing.*", "_demo", "__init__", "__main__"],
 }
 FUNCTORCH_HOME = "_simulated.functorch"

@@ -1,0 +1,403 @@
+"""Torch operations on ``fd.DTensor``: each call is decided by a sharding rule (:mod:`._rules`),
+its inputs redistributed where the rule needs it, and the op run on every device's shard.
+
+A call goes through four steps; the decision is cached per (op, argument structure, layouts,
+shapes, dtypes, the op's other arguments), so a repeated call costs a lookup and the local op:
+
+1. the rule lists, per mesh axis, the placements the inputs may have and the output's;
+2. the combination whose redistributes cost the fewest bytes is chosen (none where the inputs
+   already fit one, axis by axis);
+3. the inputs are redistributed (:func:`._redistribute.redistribute`, differentiable); an input
+   replicated along an axis where the output is not goes through ``pvary`` there, so that its
+   gradient sums the devices' contributions, as in ``shard_map``;
+4. the op runs on the storage: this rank's shard on the distributed backend, every device's at
+   once on the simulated one (the device dim leading: dims are passed counted from the end, and
+   lower-rank inputs get singleton dims after the device dim, so the op sees the same dims).
+
+:func:`explain_op` shows a decision without running it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import NamedTuple
+
+import optree
+import torch
+import torch.nn.functional as F
+
+from . import _rules as rules
+from ._backend import backend_of
+from ._blocks import valid_mask
+from ._collectives import Pvary, on_storage
+from ._dtensor import DTensor, storage_of
+from ._errors import FunctionalDTensorError, InputTypeError, MeshError, ShapeError, explain
+from ._layout import Layout
+from ._placements import Replicate
+from ._plan import Step, plan, step_bytes
+from ._redistribute import redistribute
+from ._sharding import shard_table
+
+__all__ = ["Handler", "Decision", "register", "register_sharding", "dispatch", "decide", "decision_for", "unsupported", "NAMESPACE"]
+
+NAMESPACE = "functional_dtensor"
+
+
+class Handler(NamedTuple):
+    """How one op runs on ``fd.DTensor``: ``rule(call)`` its options per mesh axis (None: the op
+    is a composite, ``local(func, args, kwargs, None)`` runs it on global values);
+    ``params(args, kwargs, tensors)`` the rule's own arguments (hashable); ``local(func, args,
+    kwargs, ctx)`` the op on storage, ``args`` holding the inputs' storages."""
+
+    rule: rules.Rule | None
+    params: Callable
+    local: Callable
+    name: str
+
+
+_HANDLERS: dict[Callable, Handler] = {}
+
+
+def register(funcs: Sequence[Callable | None], handler: Handler) -> None:
+    for func in funcs:
+        if func is not None:
+            _HANDLERS[func] = handler
+
+
+def handler_of(func) -> Handler | None:
+    return _HANDLERS.get(func)
+
+
+# --- the decision -----------------------------------------------------------------------------
+
+
+class Decision(NamedTuple):
+    inputs: tuple[Layout, ...]  # the layout each DTensor input needs
+    pvary: tuple[tuple[str, ...], ...]  # per input: the axes its gradient is summed over
+    output: Layout
+    out_shapes: tuple[tuple[int, ...], ...]  # one per output (a tuple-returning op has several)
+    out_dtypes: tuple[torch.dtype, ...]
+    call: rules.Call
+    steps: tuple[tuple[Step, ...], ...]  # per input: its redistribute
+    cost: Fraction
+
+
+class Context(NamedTuple):
+    """What a local op knows: the storage's leading dims (1 on the simulated backend: the
+    device dim) and the decision."""
+
+    lead: int
+    decision: Decision
+
+
+_COSTS: dict = {}
+
+
+def _steps(source: Layout, target: Layout, shape, dtype: torch.dtype) -> tuple[tuple[Step, ...], Fraction]:
+    if source == target:
+        return (), Fraction(0)
+    key = (source, target, shape, dtype)
+    found = _COSTS.get(key)
+    if found is None:
+        integral = not (dtype.is_floating_point or dtype.is_complex)
+        steps = plan(source, target, tuple(shape), dtype.itemsize, integral)
+        found = _COSTS[key] = (
+            steps,
+            sum((step_bytes(s, tuple(shape), dtype.itemsize) for s in steps), Fraction(0)),
+        )
+    return found
+
+
+def _meta(value):
+    if isinstance(value, (DTensor, torch.Tensor)):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
+def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Decision:
+    """The layouts ``func`` runs in: the rule's options, combined over the mesh axes, the
+    cheapest in bytes redistributed (a combination the inputs already fit costs nothing)."""
+    mesh = tensors[0].device_mesh
+    meta_args, meta_kwargs = optree.tree_map(_meta, (args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
+    try:
+        out = func(*meta_args, **meta_kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        raise ShapeError(
+            explain(
+                f"torch.{handler.name}",
+                "the op does not take these arguments (as on one device)",
+                expected="the shapes, dtypes and arguments the op takes on plain tensors",
+                got=f"{', '.join(str(tuple(t.shape)) for t in tensors)}: {str(error).splitlines()[0]}",
+                fix="check the call on plain tensors of these global shapes first",
+            )
+        ) from None
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    call = rules.Call(shapes, tuple(outs[0].shape), handler.params(args, kwargs, tensors))
+    options = handler.rule(call)
+    current = [t.layout for t in tensors]
+    fitting = []
+    for axis in range(mesh.ndim):
+        here = tuple(layout.placements[axis] for layout in current)
+        fitting.append(next((o for o in options if o.inputs == here), None))
+    candidates = [tuple(fitting)] if all(fitting) else itertools.product(*[options] * mesh.ndim)
+    best = None
+    for combination in candidates:
+        required = [Layout(mesh, tuple(o.inputs[i] for o in combination)) for i in range(len(tensors))]
+        planned = [_steps(c, r, s, t.dtype) for c, r, s, t in zip(current, required, shapes, tensors)]
+        cost = sum((c for _, c in planned), Fraction(0))
+        if best is None or cost < best[0]:
+            best = (cost, combination, required, planned)
+    cost, combination, required, planned = best
+    output = Layout(mesh, tuple(o.output for o in combination))
+    pvary = tuple(
+        tuple(
+            name
+            for name, need, out_p in zip(mesh.axis_names, layout.placements, output.placements)
+            if isinstance(need, Replicate) and not isinstance(out_p, Replicate)
+        )
+        for layout in required
+    )
+    return Decision(
+        tuple(required),
+        pvary,
+        output,
+        tuple(tuple(o.shape) for o in outs),
+        tuple(o.dtype for o in outs),
+        call,
+        tuple(steps for steps, _ in planned),
+        cost,
+    )
+
+
+# --- dispatch ---------------------------------------------------------------------------------
+
+
+def _check_values(name: str, leaves, tensors: list[DTensor]) -> None:
+    mesh = tensors[0].device_mesh
+    for value in leaves:
+        if isinstance(value, DTensor):
+            if value.device_mesh != mesh:
+                raise MeshError(
+                    explain(
+                        f"torch.{name}",
+                        "the fd.DTensor inputs of one op live on one mesh",
+                        expected=f"every input on {mesh}",
+                        got=f"an input on {value.device_mesh}",
+                        fix="move one with fd.distribute_tensor(x.full_tensor(), mesh, placements)",
+                    )
+                )
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            raise InputTypeError(
+                explain(
+                    f"torch.{name}",
+                    "an op mixes an fd.DTensor with a plain torch.Tensor",
+                    expected="fd.DTensor inputs, Python numbers or 0-d tensors",
+                    got=f"a torch.Tensor of shape {tuple(value.shape)}",
+                    fix="make it a global value, replicated: fd.distribute_tensor(t, mesh, fd.P()), or "
+                    "sharded as you mean it: fd.distribute_tensor(t, mesh, fd.P('x')); or take the "
+                    "DTensor's global value with x.full_tensor()",
+                )
+            )
+
+
+def unsupported(func) -> FunctionalDTensorError:
+    name = getattr(func, "__name__", repr(func))
+    return FunctionalDTensorError(
+        explain(
+            f"torch.{name}",
+            f"{name} has no sharding rule for fd.DTensor (the library never gathers silently)",
+            expected="an op with a rule (docs: Global operations)",
+            got=f"{name} called on an fd.DTensor",
+            fix="run it on each device's shard with fd.local_map or fd.shard_map, give it a rule with "
+            "fd.register_sharding, or compute on x.full_tensor()",
+        )
+    )
+
+
+def _key_of(value):
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, value.dtype, tuple(value.shape))
+    if isinstance(value, slice):  # unhashable before Python 3.12
+        return (slice, value.start, value.stop, value.step)
+    if isinstance(value, (list, dict, set)):
+        return repr(value)
+    return value
+
+
+def dispatch(func, args, kwargs):
+    """``func(*args, **kwargs)`` where some arguments are ``fd.DTensor``."""
+    kwargs = kwargs or {}
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        raise unsupported(func)
+    if handler.rule is None:  # a composite of global ops, or an op on global values
+        return handler.local(func, args, kwargs, None)
+    leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
+    tensors = [v for v in leaves if isinstance(v, DTensor)]
+    _check_values(handler.name, leaves, tensors)
+    key = (
+        func,
+        tree,
+        tuple([(t.layout, t.shape, t.dtype) for t in tensors]),
+        tuple([_key_of(v) for v in leaves if not isinstance(v, DTensor)]),
+    )
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        decision = _DECISIONS[key] = decide(func, handler, args, kwargs, tensors)
+    mesh = decision.output.mesh
+    backend = backend_of(mesh)
+    grad = torch.is_grad_enabled()
+    storages = []
+    for t, layout, axes in zip(tensors, decision.inputs, decision.pvary):
+        storage = storage_of(t if t.layout == layout else redistribute(t, layout))
+        if axes and grad and storage.requires_grad:
+            storage = on_storage(storage, mesh, Pvary, axes)
+        storages.append(storage)
+    feed = iter(storages)
+    local_leaves = [next(feed) if isinstance(v, DTensor) else _on_mesh(v, mesh) for v in leaves]
+    local_args, local_kwargs = tree.unflatten(local_leaves)
+    lead = 1 if backend.stacked else 0
+    out = handler.local(func, local_args, local_kwargs, Context(lead, decision))
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    values = []
+    for storage, shape in zip(outs, decision.out_shapes):
+        if lead and not shard_table(decision.output, shape).is_even:
+            storage = storage.masked_fill(~valid_mask(decision.output, shape, str(storage.device)), 0)
+        values.append(DTensor(storage, decision.output, shape))
+    if isinstance(out, (tuple, list)):
+        return type(out)(values) if not hasattr(out, "_fields") else type(out)(*values)
+    return values[0]
+
+
+_DECISIONS: dict = {}
+
+
+def _on_mesh(value, mesh):
+    if isinstance(value, torch.Tensor) and value.device.type != mesh.device_type:
+        return value.to(mesh.device_type)
+    return value
+
+
+# --- users' own rules -------------------------------------------------------------------------
+
+
+def register_sharding(op):
+    """Give ``op`` (a torch function, or a ``torch.library`` custom op) a sharding rule, as a
+    decorator of the rule (torch DTensor's ``register_sharding`` as the model).
+
+    The rule is called with the op's arguments, each ``fd.DTensor`` replaced by its global
+    shape (a ``torch.Size``), and returns the acceptable layouts on one mesh axis: a list of
+    ``(output placement, input placements)``, one input placement per ``fd.DTensor`` argument
+    in order (``None`` for other arguments may be included and is skipped). The op then runs
+    on each device's shard (on the simulated backend once per device, on its own unpadded
+    shard), after the cheapest redistribute to one of the layouts, as every global op.
+
+    >>> import torch, functional_dtensor as fd
+    >>> @torch.library.custom_op("fd_doc::scale_rows", mutates_args=())
+    ... def scale_rows(x: torch.Tensor) -> torch.Tensor:
+    ...     return x * torch.arange(1, x.shape[-1] + 1, dtype=x.dtype)
+    >>> @scale_rows.register_fake
+    ... def _(x):
+    ...     return torch.empty_like(x)
+    >>> @fd.register_sharding(scale_rows)
+    ... def _(x):  # rows may be split; the last dim must be whole
+    ...     return [(fd.Shard(0), [fd.Shard(0)]), (fd.Replicate(), [fd.Replicate()])]
+    >>> mesh = fd.simulated_mesh(2, "x")
+    >>> x = fd.distribute_tensor(torch.ones(4, 3), mesh, fd.P(None, "x"))
+    >>> y = scale_rows(x)
+    >>> y.placements, y.full_tensor()[0]
+    ((Shard(dim=0),), tensor([1., 2., 3.]))
+    """
+
+    def decorate(user_rule):
+        def params(args, kwargs, tensors):
+            shapes = optree.tree_map(
+                lambda v: v.shape if isinstance(v, DTensor) else v, (args, kwargs), none_is_leaf=True, namespace=NAMESPACE
+            )
+            return shapes
+
+        def rule(call):
+            args, kwargs = call.params
+            options = []
+            for output, inputs in user_rule(*args, **kwargs):
+                placements = tuple(p for p in inputs if p is not None)
+                options.append(rules.Option(placements, output))
+            return options
+
+        handler = Handler(rule, params, _per_device, getattr(op, "__name__", repr(op)))
+        register(_forms_of(op), handler)
+        return user_rule
+
+    return decorate
+
+
+def _forms_of(op) -> list:
+    """An op and the forms it is called by (a custom op's overload packet and default)."""
+    forms = [op]
+    for name in ("_opoverload", "default"):
+        form = getattr(op, name, None)
+        if form is not None:
+            forms.append(form)
+    packet = getattr(getattr(op, "_opoverload", None), "overloadpacket", None)
+    if packet is not None:
+        forms.append(packet)
+    return forms
+
+
+def _per_device(func, args, kwargs, ctx):
+    """A user's op, run on each device's own shard: on stacked storage once per device, on
+    its unpadded shard, the result padded back."""
+    if not ctx.lead:
+        return func(*args, **kwargs)
+    decision = ctx.decision
+    leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
+    positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() >= 1]
+    tables = [shard_table(layout, shape) for layout, shape in zip(decision.inputs, decision.call.shapes)]
+    out_table = shard_table(decision.output, decision.out_shapes[0])
+    outs = []
+    for device in range(decision.output.mesh.size):
+        local = list(leaves)
+        for position, table in zip(positions, tables):
+            block = leaves[position][device]
+            local[position] = block[tuple(slice(0, n) for n in table.local_shapes[device])]
+        a, k = tree.unflatten(local)
+        out = func(*a, **k)
+        pad = [p for n, full in zip(reversed(out.shape), reversed(out_table.padded_shape)) for p in (0, full - n)]
+        outs.append(F.pad(out, pad) if any(pad) else out)
+    return torch.stack(outs)
+
+
+def decision_for(func, args, kwargs) -> tuple[str, list[DTensor], Decision]:
+    """The decision ``func`` would take on these arguments (nothing runs): its name, the
+    ``fd.DTensor`` inputs and the decision."""
+    kwargs = kwargs or {}
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        raise unsupported(func)
+    if handler.rule is None:
+        raise FunctionalDTensorError(
+            explain(
+                "fd.explain(op)",
+                f"{handler.name} is a composite of other global ops",
+                expected="an op with a rule of its own",
+                got=handler.name,
+                fix="explain the ops it is made of (e.g. matmul and add for linear)",
+            )
+        )
+    leaves, _ = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
+    tensors = [v for v in leaves if isinstance(v, DTensor)]
+    if not tensors:
+        raise InputTypeError(
+            explain(
+                "fd.explain(args)",
+                "an op is explained for fd.DTensor inputs",
+                expected="at least one fd.DTensor among the arguments",
+                got="none",
+                fix="pass the values you would call the op with",
+            )
+        )
+    _check_values(handler.name, leaves, tensors)
+    return handler.name, tensors, decide(func, handler, args, kwargs, tensors)

@@ -1,0 +1,746 @@
+"""The torch ops an ``fd.DTensor`` takes, each with its rule (:mod:`._rules`) and its local form
+on storage; Python operators and Tensor methods on ``fd.DTensor``, installed from here.
+
+Importing this module registers the ops with :mod:`._global_ops` and gives ``fd.DTensor`` its
+``__torch_function__``, operators and methods.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import _rules as rules
+from . import random as fd_random
+from ._backend import backend_of
+from ._blocks import valid_mask
+from ._dtensor import DTensor, storage_of, without_partial
+from ._errors import InputTypeError, ShapeError, explain
+from ._factories import empty, full, ones, zeros
+from ._global_ops import Handler, dispatch, register
+from ._placements import Shard
+from ._sharding import shard_table
+
+__all__: list[str] = []
+
+
+def _none(args, kwargs, tensors):
+    return ()
+
+
+def _plain(func, args, kwargs, ctx):
+    return func(*args, **kwargs)
+
+
+def _align(args, kwargs, ctx):
+    """On stacked storage, singleton dims after the device dim for inputs of lower rank than
+    the output, so broadcasting aligns tensor dims with tensor dims."""
+    if not ctx.lead:
+        return args, kwargs
+    ndim = len(ctx.decision.out_shapes[0])
+
+    def align(value):
+        if isinstance(value, torch.Tensor) and 1 <= value.dim() <= ndim:
+            missing = ndim - (value.dim() - 1)
+            return value.reshape(value.shape[:1] + (1,) * missing + value.shape[1:]) if missing else value
+        return value
+
+    return [align(a) for a in args], {k: align(v) for k, v in kwargs.items()}
+
+
+def _elementwise_local(func, args, kwargs, ctx):
+    args, kwargs = _align(args, kwargs, ctx)
+    return func(*args, **kwargs)
+
+
+def _functions(name: str):
+    """The torch function, the Tensor method and the functional form named ``name``."""
+    return [getattr(torch, name, None), getattr(torch.Tensor, name, None), getattr(F, name, None)]
+
+
+# --- elementwise -------------------------------------------------------------------------------
+
+_UNARY = (
+    "abs exp exp2 expm1 log log1p log2 sqrt rsqrt tanh sigmoid relu silu gelu sin cos reciprocal "
+    "sign floor ceil round trunc logical_not isnan isinf isfinite square erf softplus leaky_relu elu "
+    "relu6 hardtanh mish logsigmoid clamp clip nan_to_num"
+).split()
+_BINARY = "pow maximum minimum eq ne lt le gt ge logical_and logical_or logical_xor atan2 remainder fmod where lerp".split()
+
+for _name in _UNARY + _BINARY:
+    register(_functions(_name), Handler(rules.elementwise, _none, _elementwise_local, _name))
+for _name in ("add", "sub", "subtract", "neg", "negative"):
+    register(_functions(_name), Handler(rules.linear, _none, _elementwise_local, _name))
+
+
+def _product(call):
+    """``a * b``: Partial(sum) in one factor, the other replicated."""
+    tensors = sum(s is not None for s in call.shapes)
+    options = rules.elementwise(call, partial=(0,))
+    if tensors == 2:
+        options += [o for o in rules.elementwise(call, partial=(1,)) if o.output == rules.SUM]
+    return options
+
+
+for _name in ("mul", "multiply"):
+    register(_functions(_name), Handler(_product, _none, _elementwise_local, _name))
+for _name in ("div", "divide", "true_divide"):
+    register(
+        _functions(_name),
+        Handler(lambda call: rules.elementwise(call, partial=(0,)), _none, _elementwise_local, _name),
+    )
+
+
+def _conversion_params(args, kwargs, tensors):
+    for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, (torch.device, str)) or (
+            isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+        ):
+            raise InputTypeError(
+                explain(
+                    "fd.DTensor.to",
+                    "a global value stays on its mesh's devices",
+                    expected="a dtype (x.to(torch.float64)) or an fd.DTensor (type_as)",
+                    got=repr(value),
+                    fix="convert the dtype only; to move a value, build it on another mesh",
+                )
+            )
+    return ()
+
+
+def _conversion_local(func, args, kwargs, ctx):
+    if func is torch.Tensor.type_as:
+        return args[0].to(ctx.decision.out_dtypes[0])
+    return func(*args, **kwargs)
+
+
+register(
+    [getattr(torch.Tensor, n) for n in "float double half bfloat16 clone contiguous".split()] + [torch.clone],
+    Handler(rules.linear, _conversion_params, _conversion_local, "to"),
+)
+register(
+    [getattr(torch.Tensor, n) for n in "to int long bool type_as".split()],
+    Handler(rules.elementwise, _conversion_params, _conversion_local, "to"),
+)
+register([torch.Tensor.detach, torch.detach], Handler(rules.linear, _none, _plain, "detach"))
+
+
+# --- matmul ------------------------------------------------------------------------------------
+
+
+def _matmul_local(func, args, kwargs, ctx):
+    a, b = args[0], args[1]
+    if ctx.lead:  # align batch dims after the device dim
+        ndim = len(ctx.decision.out_shapes[0])
+        a, b = (x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b))
+    return torch.matmul(a, b)
+
+
+def _matmul_params(args, kwargs, tensors):
+    for t in tensors:
+        if t.ndim < 2:
+            raise ShapeError(
+                explain(
+                    "torch.matmul",
+                    "a matmul of fd.DTensor takes matrices (or batches of them)",
+                    expected="inputs of 2 dims or more",
+                    got=f"an input of shape {tuple(t.shape)}",
+                    fix="unsqueeze a vector first: (v.unsqueeze(0) @ w).squeeze(0)",
+                )
+            )
+    if len(tensors) != 2:
+        raise InputTypeError(
+            explain(
+                "torch.matmul",
+                "a matmul of fd.DTensor takes two global values",
+                expected="two fd.DTensor",
+                got=f"{len(tensors)} fd.DTensor",
+                fix="distribute the other operand: fd.distribute_tensor(t, mesh, fd.P())",
+            )
+        )
+    return ()
+
+
+register(
+    [torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm],
+    Handler(rules.matmul, _matmul_params, _matmul_local, "matmul"),
+)
+
+
+def _linear(func, args, kwargs, ctx):
+    x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    out = torch.matmul(x, weight.t())
+    return out if bias is None else out + bias
+
+
+def _addmm(func, args, kwargs, ctx):
+    bias, a, b = args[:3]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    out = torch.matmul(a, b)
+    out = out if alpha == 1 else out * alpha
+    return out + (bias if beta == 1 else bias * beta)
+
+
+register([F.linear], Handler(None, _none, _linear, "linear"))
+register([torch.addmm, torch.Tensor.addmm], Handler(None, _none, _addmm, "addmm"))
+
+
+# --- reductions --------------------------------------------------------------------------------
+
+
+def _dims(dim, ndim: int) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({d % max(ndim, 1) for d in dims})) if ndim else ()
+
+
+def _reduction(kind: str):
+    def params(args, kwargs, tensors):
+        rest = [a for a in args[1:] if not isinstance(a, torch.dtype)]
+        dim = kwargs.get("dim", rest[0] if rest else None)
+        keepdim = kwargs.get("keepdim", rest[1] if len(rest) > 1 else False)
+        grad = kind in ("amax", "amin") and tensors[0].requires_grad and torch.is_grad_enabled()
+        # under autograd a max over a sharded dim gathers it: only the device holding the max
+        # may take its gradient
+        return (kind if not grad else "prod", _dims(dim, tensors[0].ndim), bool(keepdim))
+
+    def local(func, args, kwargs, ctx):
+        storage = args[0]
+        _, dims, keepdim = ctx.decision.call.params
+        shape = ctx.decision.call.shapes[0]
+        layout = ctx.decision.inputs[0]
+        negative = [d - len(shape) for d in dims]
+        dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+        if kind in ("amax", "amin", "prod") and ctx.lead and not shard_table(layout, shape).is_even:
+            identity = {"amax": -math.inf, "amin": math.inf, "prod": 1}[kind]
+            if not storage.is_floating_point() and kind != "prod":
+                info = torch.iinfo(storage.dtype)
+                identity = info.min if kind == "amax" else info.max
+            storage = storage.masked_fill(~_valid(layout, shape, storage), identity)
+        if not negative:
+            return storage.to(ctx.decision.out_dtypes[0])
+        if kind == "sum":
+            return torch.sum(storage, dim=negative, keepdim=keepdim, dtype=dtype)
+        if kind == "mean":
+            total = torch.sum(
+                storage, dim=negative, keepdim=keepdim, dtype=dtype or ctx.decision.out_dtypes[0]
+            )
+            return total / math.prod(shape[d] for d in dims)
+        if kind == "amax":
+            return torch.amax(storage, dim=negative, keepdim=keepdim)
+        if kind == "amin":
+            return torch.amin(storage, dim=negative, keepdim=keepdim)
+        for d in sorted(negative):
+            storage = torch.prod(storage, dim=d, keepdim=True, dtype=dtype)
+        return storage if keepdim else storage.squeeze(tuple(negative))
+
+    return params, local
+
+
+def _valid(layout, shape, storage):
+    return valid_mask(layout, shape, str(storage.device))
+
+
+def _reduction_rule(call):
+    kind, dims, keepdim = call.params
+    return rules.reduction(call._replace(params=(kind, dims, keepdim)))
+
+
+for _kind in ("sum", "mean", "amax", "amin", "prod"):
+    _params, _local = _reduction(_kind)
+    register(_functions(_kind), Handler(_reduction_rule, _params, _local, _kind))
+
+
+def _max_min(kind: str):
+    """``max``/``min``: of all elements, of two values (elementwise), or along a dim (values
+    and indices: the dim must be whole)."""
+    elementwise = torch.maximum if kind == "max" else torch.minimum
+    whole = torch.amax if kind == "max" else torch.amin
+
+    def composite(func, args, kwargs, ctx):
+        other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("dim"))
+        if isinstance(other, (DTensor, torch.Tensor)):
+            return elementwise(args[0], other)
+        if other is None:
+            return whole(args[0])
+        return dispatch(_MAX_ALONG[kind], (args[0], other, *args[2:]), {k: v for k, v in kwargs.items()})
+
+    return composite
+
+
+def _along_max(kind):
+    def local(func, args, kwargs, ctx):
+        (dims,) = ctx.decision.call.params[:1]
+        ndim = len(ctx.decision.call.shapes[0])
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        return getattr(torch, kind)(args[0], dims[0] - ndim, keepdim=keepdim)
+
+    return local
+
+
+def _dim_param(position: int, name: str = "dim"):
+    def params(args, kwargs, tensors):
+        dim = kwargs.get(name, args[position] if len(args) > position else None)
+        if not isinstance(dim, int):
+            raise InputTypeError(
+                explain(
+                    f"torch op on fd.DTensor ({name})",
+                    "this op on an fd.DTensor needs its dim as an int",
+                    expected=f"{name}=<int>",
+                    got=repr(dim),
+                    fix=f"pass {name} explicitly",
+                )
+            )
+        return ((dim % tensors[0].ndim,),)
+
+    return params
+
+
+def _max_along(input, dim, keepdim=False):
+    return torch.max(input, dim, keepdim=keepdim)
+
+
+def _min_along(input, dim, keepdim=False):
+    return torch.min(input, dim, keepdim=keepdim)
+
+
+_MAX_ALONG = {"max": _max_along, "min": _min_along}  # the along-a-dim forms, with their own rule
+for _kind in ("max", "min"):
+    register([_MAX_ALONG[_kind]], Handler(rules.along, _dim_param(1), _along_max(_kind), _kind))
+    register(_functions(_kind), Handler(None, _none, _max_min(_kind), _kind))
+
+
+def _norm(func, args, kwargs, ctx):
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    if p in ("fro", None):
+        p = 2
+    if p == math.inf:
+        return (
+            torch.amax(torch.abs(x), dim=dim, keepdim=keepdim)
+            if dim is not None
+            else torch.amax(torch.abs(x))
+        )
+    total = (
+        torch.sum(torch.abs(x) ** p, dim=dim, keepdim=keepdim)
+        if dim is not None
+        else torch.sum(torch.abs(x) ** p)
+    )
+    return total ** (1.0 / p)
+
+
+register([torch.norm, torch.Tensor.norm], Handler(None, _none, _norm, "norm"))
+
+
+# --- ops along whole dims ----------------------------------------------------------------------
+
+
+def _negative_dim_local(func, args, kwargs, ctx):
+    (dims,) = ctx.decision.call.params[:1]
+    dim = dims[0] - len(ctx.decision.call.shapes[0])
+    if "dim" in kwargs:
+        return func(args[0], *args[1:], **{**kwargs, "dim": dim})
+    return func(args[0], dim, *args[2:], **kwargs)
+
+
+for _name in ("softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp"):
+    register(_functions(_name), Handler(rules.along, _dim_param(1), _negative_dim_local, _name))
+
+
+def _trailing(count_of):
+    def params(args, kwargs, tensors):
+        ndim = tensors[0].ndim
+        return (tuple(range(ndim - count_of(args, kwargs), ndim)),)
+
+    return params
+
+
+def _normalized(args, kwargs):
+    shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    return len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
+
+
+def _held_once(func, args, kwargs, ctx):
+    """An op whose other tensor inputs (weights over the whole dims) are replicated: on stacked
+    storage each is passed as device 0's copy, the one every device holds."""
+    if ctx.lead:
+
+        def once(value):
+            return value[0] if isinstance(value, torch.Tensor) else value
+
+        args = [args[0], *[once(a) for a in args[1:]]]
+        kwargs = {k: once(v) for k, v in kwargs.items()}
+    return func(*args, **kwargs)
+
+
+register([F.layer_norm], Handler(rules.along, _trailing(_normalized), _held_once, "layer_norm"))
+register([getattr(F, "rms_norm", None)], Handler(rules.along, _trailing(_normalized), _held_once, "rms_norm"))
+
+
+def _attention_rule(call):
+    """``scaled_dot_product_attention(q, k, v)``: batch and head dims sharded alike, the
+    sequence and feature dims whole."""
+    q = call.shapes[0]
+    count = sum(s is not None for s in call.shapes)
+    options = [rules.Option((rules.R,) * count, rules.R)]
+    for d in range(len(q) - 2):
+        if q[d] > 1:
+            options.append(rules.Option((Shard(d),) * count, Shard(d)))
+    return options
+
+
+register(
+    [F.scaled_dot_product_attention], Handler(_attention_rule, _none, _plain, "scaled_dot_product_attention")
+)
+
+
+# --- views -------------------------------------------------------------------------------------
+
+
+def _permutation_of(name: str):
+    def params(args, kwargs, tensors):
+        ndim = tensors[0].ndim
+        if name == "t":
+            return (tuple(range(ndim))[::-1],)
+        if name == "transpose":
+            d0 = args[1] if len(args) > 1 else kwargs["dim0"]
+            d1 = args[2] if len(args) > 2 else kwargs["dim1"]
+            order = list(range(ndim))
+            order[d0 % ndim], order[d1 % ndim] = order[d1 % ndim], order[d0 % ndim]
+            return (tuple(order),)
+        dims = args[1:] if len(args) > 1 else (kwargs["dims"],)
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
+            dims = dims[0]
+        return (tuple(d % ndim for d in dims),)
+
+    return params
+
+
+def _permute_local(func, args, kwargs, ctx):
+    (order,) = ctx.decision.call.params
+    return args[0].permute(*range(ctx.lead), *[d + ctx.lead for d in order])
+
+
+for _name in ("t", "transpose", "permute", "swapaxes", "swapdims"):
+    key = "transpose" if _name in ("swapaxes", "swapdims") else _name
+    register(_functions(_name), Handler(rules.permutation, _permutation_of(key), _permute_local, _name))
+
+
+def _view_pairs(args, kwargs, tensors):
+    return ()
+
+
+def _reshape_rule(call):
+    """Dims a view keeps as they are (neither merged nor split) may stay sharded: walking both
+    shapes from the left, a dim of the same size where the sizes before it agree."""
+    shape, out = call.shapes[0], call.out_shape
+    pairs = []
+    i = o = 0
+    size_in = size_out = 1  # the elements before dims i and o
+    while i < len(shape) and o < len(out):
+        if size_in == size_out and shape[i] == out[o]:
+            if shape[i] > 1:
+                pairs.append((i, o))
+            size_in, size_out, i, o = size_in * shape[i], size_out * out[o], i + 1, o + 1
+        elif size_in * shape[i] <= size_out * out[o]:
+            size_in, i = size_in * shape[i], i + 1
+        else:
+            size_out, o = size_out * out[o], o + 1
+    return rules.reshape(call._replace(params=(tuple(pairs),)))
+
+
+def _reshape_local(func, args, kwargs, ctx):
+    storage = args[0]
+    local = shard_table(ctx.decision.output, ctx.decision.out_shapes[0]).padded_shape
+    return storage.reshape(*storage.shape[: ctx.lead], *local)
+
+
+for _name in ("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
+    register(_functions(_name), Handler(_reshape_rule, _none, _reshape_local, _name))
+
+
+def _expand_local(func, args, kwargs, ctx):
+    (storage,), _ = _align([args[0]], {}, ctx)
+    local = shard_table(ctx.decision.output, ctx.decision.out_shapes[0]).padded_shape
+    return storage.expand(*storage.shape[: ctx.lead], *local)
+
+
+register([torch.Tensor.expand], Handler(rules.elementwise, _none, _expand_local, "expand"))
+
+
+def _index_params(args, kwargs, tensors):
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    for item in index:
+        if not (item is None or item is Ellipsis or isinstance(item, (int, slice))):
+            raise InputTypeError(
+                explain(
+                    "fd.DTensor.__getitem__",
+                    "an fd.DTensor is indexed by ints, slices, None and ...",
+                    expected="basic indexing",
+                    got=type(item).__name__,
+                    fix="gather with torch.index_select inside fd.local_map or fd.shard_map",
+                )
+            )
+    ndim = tensors[0].ndim
+    count = sum(1 for item in index if item is not None and item is not Ellipsis)
+    expanded = []
+    for item in index:
+        if item is Ellipsis:
+            expanded.extend([slice(None)] * (ndim - count))
+        else:
+            expanded.append(item)
+    expanded.extend([slice(None)] * (ndim - sum(1 for i in expanded if i is not None)))
+    kept, out, dim = [], 0, 0
+    for item in expanded:
+        if item is None:
+            out += 1
+            continue
+        if isinstance(item, slice) and item == slice(None):
+            kept.append((dim, out))
+        if isinstance(item, slice):
+            out += 1
+        dim += 1
+    return (tuple(kept), tuple(repr(i) for i in expanded))
+
+
+def _index_rule(call):
+    kept, _ = call.params
+    options = [rules.Option((rules.R,), rules.R)]
+    options += [rules.Option((Shard(d),), Shard(o)) for d, o in kept if call.shapes[0][d] > 1]
+    return options
+
+
+def _index_local(func, args, kwargs, ctx):
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return args[0][(slice(None),) * ctx.lead + index]
+
+
+register([torch.Tensor.__getitem__], Handler(_index_rule, _index_params, _index_local, "__getitem__"))
+
+
+# --- joining and splitting ---------------------------------------------------------------------
+
+
+def _cat_params(new: bool):
+    def params(args, kwargs, tensors):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        ndim = tensors[0].ndim + (1 if new else 0)
+        return (dim % ndim, new)
+
+    return params
+
+
+def _cat_local(func, args, kwargs, ctx):
+    dim, new = ctx.decision.call.params
+    ndim = len(ctx.decision.out_shapes[0])
+    return func(args[0], dim - ndim)
+
+
+register(
+    [torch.cat, torch.concat, torch.concatenate],
+    Handler(rules.concatenation, _cat_params(False), _cat_local, "cat"),
+)
+register([torch.stack], Handler(rules.concatenation, _cat_params(True), _cat_local, "stack"))
+
+
+def _split(func, args, kwargs, ctx):
+    x = args[0]
+    size = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("chunks"))
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
+    length = x.shape[dim]
+    if getattr(func, "__name__", "") == "chunk":
+        step = -(-length // size)
+        sizes = [min(step, length - s) for s in range(0, length, step)]
+    elif isinstance(size, int):
+        sizes = [min(size, length - s) for s in range(0, length, size)]
+    else:
+        sizes = list(size)
+    out, start = [], 0
+    for n in sizes:
+        index = (slice(None),) * dim + (slice(start, start + n),)
+        out.append(x[index])
+        start += n
+    return tuple(out)
+
+
+register(
+    [torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk], Handler(None, _none, _split, "split")
+)
+
+
+# --- embedding ---------------------------------------------------------------------------------
+
+
+def _embedding_local(func, args, kwargs, ctx):
+    indices, table = args[0], args[1]
+    layout = ctx.decision.inputs[1]
+    rows = [a for a, p in enumerate(layout.placements) if p == Shard(0)]
+    if not rows:
+        return F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
+    mesh = layout.mesh
+    total = ctx.decision.call.shapes[1][0]
+    names = tuple(mesh.axis_names[a] for a in rows)
+    index = backend_of(mesh).axis_index(mesh, names, indices.device)
+    chunk = -(-total // mesh.axis_size(names))
+    start = torch.clamp(index * chunk, max=total)
+    if ctx.lead:
+        start = start.reshape(-1, *[1] * (indices.dim() - 1))
+    local = indices - start
+    inside = (local >= 0) & (local < table.shape[-2])
+    picked = (
+        _stacked_embedding(local.clamp(0, table.shape[-2] - 1), table)
+        if ctx.lead
+        else F.embedding(local.clamp(0, table.shape[0] - 1), table)
+    )
+    return picked * inside.unsqueeze(-1)
+
+
+def _stacked_embedding(indices, table):
+    """Each device's rows of its own table: ``table (n, rows, d)``, ``indices (n, ...)``."""
+    n = table.shape[0]
+    flat = indices.reshape(n, -1)
+    picked = torch.gather(table, 1, flat.unsqueeze(-1).expand(*flat.shape, table.shape[-1]))
+    return picked.reshape(*indices.shape, table.shape[-1])
+
+
+register([F.embedding], Handler(rules.embedding, _none, _embedding_local, "embedding"))
+
+
+# --- values, not layouts -----------------------------------------------------------------------
+
+
+def _values(compare):
+    def composite(func, args, kwargs, ctx):
+        a, b = args[0], args[1]
+        a = a.full_tensor() if isinstance(a, DTensor) else a
+        b = b.full_tensor() if isinstance(b, DTensor) else b
+        return compare(a, b, *args[2:], **kwargs)
+
+    return composite
+
+
+register([torch.allclose, torch.Tensor.allclose], Handler(None, _none, _values(torch.allclose), "allclose"))
+register([torch.equal, torch.Tensor.equal], Handler(None, _none, _values(torch.equal), "equal"))
+
+
+def _like(factory):
+    def composite(func, args, kwargs, ctx):
+        x = args[0]
+        dtype = kwargs.get("dtype") or x.dtype
+        layout = without_partial(x.layout)
+        if factory is full:
+            return full(tuple(x.shape), args[1], mesh=x.device_mesh, placements=layout, dtype=dtype)
+        return factory(tuple(x.shape), mesh=x.device_mesh, placements=layout, dtype=dtype)
+
+    return composite
+
+
+for _factory, _name in (
+    (zeros, "zeros_like"),
+    (ones, "ones_like"),
+    (empty, "empty_like"),
+    (full, "full_like"),
+):
+    register([getattr(torch, _name)], Handler(None, _none, _like(_factory), _name))
+register([torch.rand_like], Handler(None, _none, _like(fd_random.rand), "rand_like"))
+register([torch.randn_like], Handler(None, _none, _like(fd_random.randn), "randn_like"))
+
+
+def _dropout(func, args, kwargs, ctx):
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    if not training or p == 0:
+        return x
+    return fd_random.dropout(fd_random.default_key(), x, p)
+
+
+register([F.dropout], Handler(None, _none, _dropout, "dropout"))
+
+
+# --- fd.DTensor's torch protocol, operators and methods ------------------------------------------
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    return dispatch(func, args, kwargs)
+
+
+def _method(func):
+    def method(self, *args, **kwargs):
+        return dispatch(func, (self, *args), kwargs)
+
+    method.__name__ = getattr(func, "__name__", "method")
+    method.__doc__ = f"``torch.Tensor.{method.__name__}`` on the global value (see Global operations)."
+    return method
+
+
+def _reflected(func):
+    def method(self, other):
+        return dispatch(func, (other, self), {})
+
+    return method
+
+
+def _backward(self, gradient=None, retain_graph=None, create_graph=False):
+    """Backpropagate from this value (its global value, as ``tensor.backward``)."""
+    self.full_tensor().backward(gradient, retain_graph=retain_graph, create_graph=create_graph)
+
+
+def _item(self):
+    """The value of a one-element ``fd.DTensor``, as a Python number."""
+    return self.full_tensor().item()
+
+
+def install() -> None:
+    DTensor.__torch_function__ = classmethod(_torch_function)
+    operators = {
+        "__add__": torch.add, "__sub__": torch.sub, "__mul__": torch.mul, "__truediv__": torch.div,
+        "__pow__": torch.pow, "__matmul__": torch.matmul, "__eq__": torch.eq, "__ne__": torch.ne,
+        "__lt__": torch.lt, "__le__": torch.le, "__gt__": torch.gt, "__ge__": torch.ge,
+        "__and__": torch.logical_and, "__or__": torch.logical_or, "__mod__": torch.remainder,
+    }  # fmt: skip
+    for name, func in operators.items():
+        setattr(DTensor, name, lambda self, other, func=func: dispatch(func, (self, other), {}))
+    for name, func in {"__radd__": torch.add, "__rsub__": torch.sub, "__rmul__": torch.mul,
+                       "__rtruediv__": torch.div, "__rpow__": torch.pow, "__rmatmul__": torch.matmul}.items():  # fmt: skip
+        setattr(DTensor, name, _reflected(func))
+    DTensor.__neg__ = lambda self: dispatch(torch.neg, (self,), {})
+    DTensor.__abs__ = lambda self: dispatch(torch.abs, (self,), {})
+    DTensor.__getitem__ = lambda self, index: dispatch(torch.Tensor.__getitem__, (self, index), {})
+    DTensor.__hash__ = object.__hash__  # a value keyed by identity, as torch.Tensor
+    DTensor.__bool__ = lambda self: bool(self.full_tensor())
+    names = (
+        "sum mean amax amin max min prod norm t transpose permute reshape view flatten unflatten squeeze "
+        "unsqueeze expand to float double half bfloat16 int long bool type_as "
+        "clone detach contiguous softmax log_softmax cumsum exp log sqrt rsqrt tanh sigmoid relu abs neg pow "
+        "clamp clip matmul mm bmm maximum minimum split chunk where masked_fill eq ne lt le gt ge add sub mul "
+        "div square sin cos log1p allclose equal"
+    ).split()
+    for name in names:
+        setattr(DTensor, name, _method(getattr(torch.Tensor, name)))
+    DTensor.T = property(
+        lambda self: (
+            dispatch(torch.Tensor.t, (self,), {})
+            if self.ndim == 2
+            else dispatch(torch.Tensor.permute, (self, tuple(range(self.ndim))[::-1]), {})
+        )
+    )
+    DTensor.numel = lambda self: math.prod(self.shape)
+    DTensor.dim = lambda self: len(self.shape)
+    DTensor.ndimension = DTensor.dim
+    DTensor.device = property(lambda self: storage_of(self).device)
+    DTensor.is_floating_point = lambda self: self.dtype.is_floating_point
+    DTensor.backward = _backward
+    DTensor.item = _item
+    DTensor.tolist = lambda self: self.full_tensor().tolist()
+    DTensor.__float__ = lambda self: float(self.full_tensor())
+    DTensor.__int__ = lambda self: int(self.full_tensor())
+
+
+install()
