@@ -120,6 +120,7 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
     """The layouts ``func`` runs in: the rule's options, combined over the mesh axes, the
     cheapest in bytes redistributed (a combination the inputs already fit costs nothing)."""
     mesh = tensors[0].device_mesh
+    params = handler.params(args, kwargs, tensors)  # checks the op's own arguments first
     meta_args, meta_kwargs = optree.tree_map(_meta, (args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
     try:
         out = func(*meta_args, **meta_kwargs)
@@ -135,7 +136,7 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
         ) from None
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     shapes = tuple(tuple(t.shape) for t in tensors)
-    call = rules.Call(shapes, tuple(outs[0].shape), handler.params(args, kwargs, tensors))
+    call = rules.Call(shapes, tuple(outs[0].shape), params)
     options = handler.rule(call)
     current = [t.layout for t in tensors]
     fitting = []

@@ -366,21 +366,28 @@ def _normalized(args, kwargs):
     return len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
 
 
-def _held_once(func, args, kwargs, ctx):
-    """An op whose other tensor inputs (weights over the whole dims) are replicated: on stacked
-    storage each is passed as device 0's copy, the one every device holds."""
-    if ctx.lead:
+def _normalization(*names: str):
+    """``layer_norm`` / ``rms_norm``: normalized without its affine weights, which are then
+    applied elementwise (each device's copy of a replicated weight takes its own gradient)."""
 
-        def once(value):
-            return value[0] if isinstance(value, torch.Tensor) else value
+    def local(func, args, kwargs, ctx):
+        bound = dict(zip(("input", "normalized_shape", *names), args)) | kwargs
+        affine = [bound.pop(name, None) for name in ("weight", "bias")]
+        out = func(**bound)
+        (weight, bias), _ = _align(affine, {}, ctx)
+        out = out if weight is None else out * weight
+        return out if bias is None else out + bias
 
-        args = [args[0], *[once(a) for a in args[1:]]]
-        kwargs = {k: once(v) for k, v in kwargs.items()}
-    return func(*args, **kwargs)
+    return local
 
 
-register([F.layer_norm], Handler(rules.along, _trailing(_normalized), _held_once, "layer_norm"))
-register([getattr(F, "rms_norm", None)], Handler(rules.along, _trailing(_normalized), _held_once, "rms_norm"))
+register(
+    [F.layer_norm], Handler(rules.along, _trailing(_normalized), _normalization("weight", "bias", "eps"), "layer_norm")
+)
+register(
+    [getattr(F, "rms_norm", None)],
+    Handler(rules.along, _trailing(_normalized), _normalization("weight", "eps"), "rms_norm"),
+)
 
 
 def _attention_rule(call):
@@ -474,8 +481,8 @@ def _expand_local(func, args, kwargs, ctx):
 register([torch.Tensor.expand], Handler(rules.elementwise, _none, _expand_local, "expand"))
 
 
-def _index_params(args, kwargs, tensors):
-    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+def _check_index(index) -> tuple:
+    index = index if isinstance(index, tuple) else (index,)
     for item in index:
         if not (item is None or item is Ellipsis or isinstance(item, (int, slice))):
             raise InputTypeError(
@@ -487,6 +494,15 @@ def _index_params(args, kwargs, tensors):
                     fix="gather with torch.index_select inside fd.local_map or fd.shard_map",
                 )
             )
+    return index
+
+
+def _getitem(self, index):
+    return dispatch(torch.Tensor.__getitem__, (self, _check_index(index)), {})
+
+
+def _index_params(args, kwargs, tensors):
+    index = _check_index(args[1])
     ndim = tensors[0].ndim
     count = sum(1 for item in index if item is not None and item is not Ellipsis)
     expanded = []
@@ -712,7 +728,7 @@ def install() -> None:
         setattr(DTensor, name, _reflected(func))
     DTensor.__neg__ = lambda self: dispatch(torch.neg, (self,), {})
     DTensor.__abs__ = lambda self: dispatch(torch.abs, (self,), {})
-    DTensor.__getitem__ = lambda self, index: dispatch(torch.Tensor.__getitem__, (self, index), {})
+    DTensor.__getitem__ = _getitem
     DTensor.__hash__ = object.__hash__  # a value keyed by identity, as torch.Tensor
     DTensor.__bool__ = lambda self: bool(self.full_tensor())
     names = (

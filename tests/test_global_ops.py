@@ -1,0 +1,435 @@
+"""Torch ops on fd.DTensor against the same ops on one device: values and gradients for drawn
+meshes, layouts (uneven too) and shapes, the layouts the rules give (as DTensor's), the
+communication they cost, both backends, and the errors of mixed and unsupported inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from backends import per_device
+from common import check
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functional_dtensor as fd
+from functional_dtensor import _global_ops
+from functional_dtensor.testing import strategies as fds
+
+S, R = fd.Shard, fd.Replicate()
+
+
+def values(shape, seed=0, dtype=torch.float64):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def spread(t, layout, requires_grad=False):
+    leaf = t.clone().requires_grad_(requires_grad)
+    return leaf, fd.distribute_tensor(leaf, layout.mesh, layout)
+
+
+def close(got, expected):
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+@st.composite
+def layouts_for(draw, shapes, max_devices=8):
+    mesh = draw(fds.meshes(max_dims=3, max_devices=max_devices))
+    return [draw(fds.layouts(mesh, len(shape))) for shape in shapes]
+
+
+# --- elementwise ---------------------------------------------------------------------------------
+
+BINARY = [torch.add, torch.sub, torch.mul, torch.div, torch.maximum, torch.atan2]
+
+
+@st.composite
+def broadcast_pairs(draw):
+    shape = draw(fds.global_shapes(1, 3, min_side=1, max_side=7, max_elements=200))
+    drop = draw(st.integers(0, len(shape) - 1))
+    other = tuple(1 if draw(st.booleans()) and i > 0 else n for i, n in enumerate(shape[drop:]))
+    return shape, other
+
+
+@given(pair=broadcast_pairs(), data=st.data(), op=st.sampled_from(BINARY))
+def test_binary_elementwise_with_broadcasting(pair, data, op):
+    shape, other = pair
+    lx, ly = data.draw(layouts_for([shape, other]))
+    ly = fd.Layout(lx.mesh, ly.placements, ly.shard_order)
+    x, y = values(shape, 1), values(other, 2)
+    tx, dx = spread(x, lx, True)
+    ty, dy = spread(y, ly, True)
+    out = op(dx, dy)
+    expected = op(x, y)
+    close(out.full_tensor(), expected)
+    out.full_tensor().square().sum().backward()
+    gx, gy = torch.autograd.grad(op(x.requires_grad_(), y.requires_grad_()).square().sum(), (x, y))
+    close(tx.grad, gx)
+    close(ty.grad, gy)
+
+
+@given(shape=fds.global_shapes(0, 3, max_side=7, max_elements=200), data=st.data())
+def test_unary_ops_scalars_and_zero_d_tensors(shape, data):
+    (layout,) = data.draw(layouts_for([shape]))
+    x = values(shape, 3)
+    _, d = spread(x, layout)
+    program = lambda v: (
+        torch.exp(torch.tanh(v) * 2.0 - 1) + torch.relu(v) ** 2 / (1 + torch.sigmoid(v)) - torch.tensor(0.5)
+    )
+    close(program(d).full_tensor(), program(x))
+    close((-d + 3).full_tensor(), -x + 3)
+    close((2 - d).full_tensor(), 2 - x)
+    close(torch.where(d > 0, d, d * 0.1).full_tensor(), torch.where(x > 0, x, x * 0.1))
+    close(torch.clamp(d, -0.5, 0.5).full_tensor(), torch.clamp(x, -0.5, 0.5))
+    assert torch.equal((d > 0).full_tensor(), x > 0)
+    assert torch.equal((d == d).full_tensor(), torch.ones(shape, dtype=torch.bool))
+
+
+def test_partial_values_stay_partial_where_the_op_is_linear():
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    a = fd.distribute_tensor(values((4, 6), 1), mesh, fd.P(None, "x"))
+    b = fd.distribute_tensor(values((6, 4), 2), mesh, fd.P("x"))
+    p = a @ b
+    assert p.placements == (fd.Partial("sum"), R)
+    assert (p * 2).placements == p.placements and (p + p).placements == p.placements
+    assert (-p).placements == p.placements
+    assert not torch.exp(p).layout.has_partial  # not linear: the partial sums are reduced first (scattered)
+    close(torch.exp(p).full_tensor(), torch.exp(values((4, 6), 1) @ values((6, 4), 2)))
+
+
+# --- matmul --------------------------------------------------------------------------------------
+
+
+@given(
+    m=st.integers(1, 7),
+    k=st.integers(1, 7),
+    n=st.integers(1, 7),
+    batch=st.sampled_from([(), (3,), (2, 1)]),
+    data=st.data(),
+)
+def test_matmul_values_and_gradients(m, k, n, batch, data):
+    a_shape, b_shape = (*batch, m, k), (*batch[len(batch) // 2 :], k, n)
+    la, lb = data.draw(layouts_for([a_shape, b_shape]))
+    lb = fd.Layout(la.mesh, lb.placements, lb.shard_order)
+    a, b = values(a_shape, 4), values(b_shape, 5)
+    ta, da = spread(a, la, True)
+    tb, db = spread(b, lb, True)
+    out = da @ db
+    close(out.full_tensor(), a @ b)
+    out.full_tensor().sin().sum().backward()
+    ga, gb = torch.autograd.grad((a.requires_grad_() @ b.requires_grad_()).sin().sum(), (a, b))
+    close(ta.grad, ga)
+    close(tb.grad, gb)
+
+
+@pytest.mark.parametrize(
+    "pa, pb, expected, collectives",
+    [
+        (S(1), S(0), fd.Partial("sum"), 0),
+        (S(0), R, S(0), 0),
+        (R, S(1), S(1), 0),
+        (R, R, R, 0),
+        (S(0), S(1), fd.Partial("sum"), 2),  # two all_to_alls move less than one all_gather
+    ],
+)
+def test_matmul_layouts_as_dtensor(pa, pb, expected, collectives):
+    mesh = fd.simulated_mesh(4, "x")
+    a = fd.distribute_tensor(values((8, 8), 1), mesh, [pa])
+    b = fd.distribute_tensor(values((8, 8), 2), mesh, [pb])
+    with fd.CommDebugMode() as comm:
+        out = torch.matmul(a, b)
+    assert out.placements == (expected,)
+    assert comm.get_total_counts() == collectives
+    close(out.full_tensor(), values((8, 8), 1) @ values((8, 8), 2))
+
+
+def test_linear_addmm_and_the_decision_cache():
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    x = fd.distribute_tensor(values((8, 6), 1), mesh, fd.P("dp"))
+    w = fd.distribute_tensor(values((4, 6), 2), mesh, fd.P("tp"))
+    bias = fd.distribute_tensor(values((4,), 3), mesh, fd.P("tp"))
+    y = F.linear(x, w, bias)
+    assert y.placements == (S(0), S(1))
+    close(y.full_tensor(), F.linear(values((8, 6), 1), values((4, 6), 2), values((4,), 3)))
+    close(torch.addmm(bias, x, w.t()).full_tensor(), y.full_tensor())
+    before = len(_global_ops._DECISIONS)
+    F.linear(x, w, bias)
+    assert len(_global_ops._DECISIONS) == before  # decided once
+
+
+# --- reductions ----------------------------------------------------------------------------------
+
+REDUCTIONS = ["sum", "mean", "amax", "amin", "prod"]
+
+
+@given(
+    shape=fds.global_shapes(1, 3, min_side=1, max_side=6, max_elements=120),
+    data=st.data(),
+    kind=st.sampled_from(REDUCTIONS),
+)
+def test_reductions_over_dims_or_all(shape, data, kind):
+    (layout,) = data.draw(layouts_for([shape]))
+    dims = data.draw(
+        st.one_of(
+            st.none(), st.lists(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape), unique=True)
+        )
+    )
+    keepdim = data.draw(st.booleans())
+    x = values(shape, 6)
+    leaf, d = spread(x, layout, True)
+    op = getattr(torch, kind)
+    if kind == "prod":
+        dims = None if dims is None else dims[:1]
+        call = (lambda v: op(v)) if dims is None else (lambda v: op(v, dims[0], keepdim=keepdim))
+    else:
+        call = (lambda v: op(v)) if dims is None else (lambda v: op(v, dim=dims, keepdim=keepdim))
+    out = call(d)
+    close(out.full_tensor(), call(x))
+    out.full_tensor().sum().backward()
+    (expected,) = torch.autograd.grad(call(x.requires_grad_()).sum(), x)
+    close(leaf.grad, expected)
+
+
+def test_reductions_leave_partial_where_dtensor_does():
+    mesh = fd.simulated_mesh(4, "x")
+    d = fd.distribute_tensor(values((8, 6), 1), mesh, fd.P("x"))
+    with fd.CommDebugMode() as comm:
+        assert d.sum().placements == (fd.Partial("sum"),)
+        assert d.sum(1).placements == (S(0),)
+        assert d.mean(0).placements == (fd.Partial("sum"),)
+        assert d.detach().amax(0).placements == (fd.Partial("max"),)
+    assert comm.get_total_counts() == 0
+    close(d.max().full_tensor(), values((8, 6), 1).max())
+    close(d.norm().full_tensor(), values((8, 6), 1).norm())
+    v, i = torch.max(d, 1)
+    close(v.full_tensor(), values((8, 6), 1).max(1).values)
+    assert torch.equal(i.full_tensor(), values((8, 6), 1).max(1).indices)
+
+
+# --- views ---------------------------------------------------------------------------------------
+
+
+@given(shape=fds.global_shapes(2, 3, min_side=1, max_side=6, max_elements=150), data=st.data())
+def test_views(shape, data):
+    (layout,) = data.draw(layouts_for([shape]))
+    x = values(shape, 7)
+    leaf, d = spread(x, layout, True)
+    programs = [
+        lambda v: v.transpose(0, 1),
+        lambda v: v.permute(*reversed(range(v.dim()))),
+        lambda v: v.reshape(-1),
+        lambda v: v.flatten(1),
+        lambda v: v.unsqueeze(1).squeeze(1),
+        lambda v: v[1:, ...],
+        lambda v: v[:, None, 0],
+        lambda v: v.unsqueeze(0).expand(2, *v.shape),
+    ]
+    for program in programs:
+        close(program(d).full_tensor(), program(x))
+    total = sum(program(d).full_tensor().sum() for program in programs)
+    total.backward()
+    (expected,) = torch.autograd.grad(sum(p(x.requires_grad_()).sum() for p in programs), x)
+    close(leaf.grad, expected)
+
+
+def test_views_keep_shards_where_the_dims_allow():
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    d = fd.distribute_tensor(values((8, 6, 4), 1), mesh, fd.P("x", "y"))
+    assert d.transpose(0, 1).placements == (S(1), S(0))
+    assert d.T.placements == (S(2), S(1))
+    assert d.reshape(8, 24).placements[0] == S(0)
+    assert d.unsqueeze(0).placements == (S(1), S(2))
+    assert d[:, :, 1:].placements == (S(0), S(1))
+
+
+# --- along whole dims, joining, lookups, attention -------------------------------------------------
+
+
+@given(shape=fds.global_shapes(2, 3, min_side=1, max_side=6, max_elements=150), data=st.data())
+def test_softmax_and_norms_along_the_last_dim(shape, data):
+    (layout,) = data.draw(layouts_for([shape]))
+    mesh = layout.mesh
+    x, w, b = values(shape, 8), values(shape[-1:], 9), values(shape[-1:], 10)
+    leaf, d = spread(x, layout, True)
+    wl, dw = spread(w, fd.Layout(mesh, (R,) * mesh.ndim), True)
+    bl, db = spread(b, fd.Layout(mesh, (R,) * mesh.ndim), True)
+
+    def program(v, weight, bias):
+        return F.softmax(v, -1) + F.log_softmax(v, dim=-1) * F.layer_norm(v, v.shape[-1:], weight, bias)
+
+    out = program(d, dw, db)
+    close(out.full_tensor(), program(x, w, b))
+    out.full_tensor().sum().backward()
+    grads = torch.autograd.grad(
+        program(x.requires_grad_(), w.requires_grad_(), b.requires_grad_()).sum(), (x, w, b)
+    )
+    for got, expected in zip((leaf.grad, wl.grad, bl.grad), grads):
+        close(got, expected)
+
+
+def test_cat_stack_split_chunk():
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    a, b = values((4, 6), 1), values((4, 6), 2)
+    da = fd.distribute_tensor(a, mesh, fd.P("x", "y"))
+    db = fd.distribute_tensor(b, mesh, fd.P(None, "y"))
+    close(torch.cat([da, db], dim=0).full_tensor(), torch.cat([a, b]))
+    close(torch.stack([da, db], 1).full_tensor(), torch.stack([a, b], 1))
+    for got, expected in zip(torch.split(da, [1, 3], dim=0), torch.split(a, [1, 3])):
+        close(got.full_tensor(), expected)
+    for got, expected in zip(da.chunk(3, dim=1), a.chunk(3, dim=1)):
+        close(got.full_tensor(), expected)
+
+
+@pytest.mark.parametrize("table_spec", [fd.P(), fd.P("x"), fd.P(None, "x"), fd.P(("x", "y"))])
+def test_embedding_with_row_sharded_tables(table_spec):
+    mesh = fd.simulated_mesh((2, 3), ("x", "y"))
+    table = values((11, 4), 1)
+    indices = torch.tensor([[0, 10, 3], [5, 5, 7]])
+    leaf = table.clone().requires_grad_()
+    dt = fd.distribute_tensor(leaf, mesh, table_spec)
+    di = fd.distribute_tensor(indices, mesh, fd.P("y"))
+    out = F.embedding(di, dt)
+    close(out.full_tensor(), F.embedding(indices, table))
+    out.full_tensor().sum().backward()
+    (expected,) = torch.autograd.grad(F.embedding(indices, table.requires_grad_()).sum(), table)
+    close(leaf.grad, expected)
+
+
+def test_attention_with_batch_and_heads_sharded():
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    q, k, v = (values((2, 4, 5, 8), s) for s in (1, 2, 3))
+    dq, dk, dv = (fd.distribute_tensor(t, mesh, fd.P("dp", "tp")) for t in (q, k, v))
+    with fd.CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+    assert out.placements == (S(0), S(1)) and comm.get_total_counts() == 0
+    close(out.full_tensor(), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_dropout_factories_and_value_comparisons():
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = values((6, 5), 1)
+    d = fd.distribute_tensor(x, mesh, fd.P("x", "y"))
+    torch.manual_seed(3)
+    first = F.dropout(d, 0.5).full_tensor()
+    torch.manual_seed(3)
+    again = F.dropout(fd.distribute_tensor(x, mesh, fd.P(None, "x")), 0.5).full_tensor()
+    assert torch.equal(first, again)  # the same mask for every layout
+    assert torch.equal(F.dropout(d, 0.5, training=False).full_tensor(), x)
+    z = torch.zeros_like(d)
+    assert z.placements == d.placements and torch.equal(
+        z.full_tensor(), torch.zeros(6, 5, dtype=torch.float64)
+    )
+    partial = fd.distribute_tensor(x, mesh, fd.P(None, "x")) @ fd.distribute_tensor(x.t(), mesh, fd.P("x"))
+    assert partial.placements[0] == fd.Partial("sum")
+    assert torch.ones_like(partial).placements == (R, R)  # a Partial layout's ones are replicated
+    assert torch.allclose(d, fd.distribute_tensor(x, mesh, fd.P("y")))
+    assert torch.equal(d, d) and not torch.equal(d, d + 1)
+
+
+def test_methods_and_properties():
+    mesh = fd.simulated_mesh(2, "x")
+    x = values((4, 3), 1)
+    d = fd.distribute_tensor(x, mesh, fd.P("x"))
+    assert d.numel() == 12 and d.dim() == 2 and d.device.type == "cpu"
+    assert d.float().dtype == torch.float32 and d.to(torch.float16).dtype == torch.float16
+    close(d.sum().item() + 0.0, float(x.sum()))
+    assert d.type_as(d.float()).dtype == torch.float32
+    assert d.clone().placements == d.placements and not d.detach().requires_grad
+
+
+# --- both backends -------------------------------------------------------------------------------
+
+
+def job_program(mesh):
+    """A small model of global ops: linear layers, softmax, a reduction; the local shards of
+    the output and of the gradients."""
+    names = mesh.axis_names
+    x = fd.distribute_tensor(values((8, 6), 1), mesh, fd.P(names[0]))
+    w1 = values((6, 8), 2).requires_grad_()
+    w2 = values((8, 4), 3).requires_grad_()
+    h = torch.relu(x @ fd.distribute_tensor(w1, mesh, fd.P(None, names[-1])))
+    y = F.softmax(h @ fd.distribute_tensor(w2, mesh, fd.P(names[-1])), dim=-1)
+    loss = (y * y).sum()
+    loss.backward()
+    return {"y": list(y.local_shards()), "loss": loss.full_tensor(), "w1": w1.grad, "w2": w2.grad}
+
+
+@pytest.mark.meshes((2,), (4,), (2, 2))
+def test_global_ops_are_the_same_on_both_backends(backend, mesh):
+    results = backend.run(job_program, mesh.shape, mesh.names)
+    expected = job_program(mesh.simulated())
+    for a, b in zip(per_device(results, "y"), expected["y"]):
+        close(a, b)
+    for result in results:
+        for name in ("loss", "w1", "w2"):
+            close(result[name], expected[name])
+    x, w1, w2 = values((8, 6), 1), values((6, 8), 2).requires_grad_(), values((8, 4), 3).requires_grad_()
+    y = F.softmax(torch.relu(x @ w1) @ w2, -1)
+    (y * y).sum().backward()
+    close(expected["w1"], w1.grad)
+    close(expected["w2"], w2.grad)
+
+
+# --- explain and errors ----------------------------------------------------------------------------
+
+
+def test_explain_shows_the_decision():
+    mesh = fd.simulated_mesh(4, "x")
+    a = fd.distribute_tensor(torch.ones(8, 8), mesh, fd.P("x"))
+    b = fd.distribute_tensor(torch.ones(8, 8), mesh, fd.P(None, "x"))
+    report = fd.explain(torch.add, a, b)
+    assert report.output.placements in ((S(0),), (S(1),)) and report.total_bytes > 0
+    text = str(report)
+    assert "add" in text and "all_to_all" in text and "output" in text
+
+
+def test_a_users_rule_for_a_custom_op():
+    @torch.library.custom_op("fd_test::rowwise_cumsum", mutates_args=())
+    def rowwise_cumsum(x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(x, dim=-1)
+
+    @rowwise_cumsum.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    @fd.register_sharding(rowwise_cumsum)
+    def _(x):
+        return [(S(0), [S(0)]), (R, [R])]
+
+    mesh = fd.simulated_mesh(3, "x")
+    x = values((7, 5), 1)
+    out = rowwise_cumsum(fd.distribute_tensor(x, mesh, fd.P(None, "x")))  # uneven rows, after a move
+    assert out.placements == (S(0),)
+    close(out.full_tensor(), torch.cumsum(x, -1))
+
+
+def test_errors_of_mixed_and_unsupported_inputs():
+    mesh = fd.simulated_mesh(2, "x")
+    d = fd.distribute_tensor(torch.ones(4, 4), mesh, fd.P("x"))
+    check(
+        fd.InputTypeError,
+        TypeError,
+        lambda: d + torch.ones(4, 4),
+        "torch.add",
+        "plain torch.Tensor",
+        "fd.P()",
+    )
+    check(
+        fd.FunctionalDTensorError,
+        Exception,
+        lambda: torch.fft.fft(d),
+        "fft",
+        "fd.local_map",
+        "fd.register_sharding",
+    )
+    other = fd.distribute_tensor(torch.ones(4, 4), fd.simulated_mesh(2, "y"), fd.P())
+    check(fd.MeshError, ValueError, lambda: d + other, "one mesh")
+    check(
+        fd.ShapeError,
+        ValueError,
+        lambda: d @ fd.distribute_tensor(torch.ones(3, 2), mesh, fd.P()),
+        "torch.matmul",
+    )
+    check(fd.InputTypeError, TypeError, lambda: d.to("cuda"), "mesh's devices")
+    check(fd.InputTypeError, TypeError, lambda: d[torch.tensor([0, 1])], "basic indexing")
