@@ -38,6 +38,7 @@ from ._errors import (
 from ._explain import PlanReport, explain_redistribute
 from ._factories import empty, full, ones, zeros
 from ._layout import Layout
+from ._local_map import local_map
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._redistribute import redistribute  # installs DTensor.redistribute
@@ -62,6 +63,7 @@ __all__ = [
     "psum_scatter",
     "pvary",
     "shard_map",
+    "local_map",
     "AxisNameError",
     "BatchedFunctionError",
     "CommunicationError",
