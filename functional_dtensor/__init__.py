@@ -40,6 +40,7 @@ from ._explain import explain_op as explain
 from ._factories import empty, full, ones, zeros
 from ._global_ops import register_sharding
 from ._layout import Layout
+from ._local_map import local_map
 from ._mesh import DeviceMesh, simulated_mesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._redistribute import redistribute  # installs DTensor.redistribute
@@ -65,6 +66,7 @@ __all__ = [
     "psum_scatter",
     "pvary",
     "shard_map",
+    "local_map",
     "AxisNameError",
     "BatchedFunctionError",
     "CommunicationError",

@@ -51,6 +51,7 @@ __all__ = [
     "without_partial",
     "check_mesh",
     "storage_of",
+    "with_grad_layout",
     "check_tensor",
     "TORCH_DTENSOR_FIX",
 ]
@@ -233,12 +234,12 @@ class DTensor:
         every other device contributing zero: summing ``to_local(device=k)`` terms over ``k``
         differentiates as the same SPMD program on the distributed backend.
         """
-        storage = self._storage
-        if grad_placements is not None:
-            target = without_partial(self._layout)
-            grad = self._grad_layout(grad_placements, "fd.DTensor.to_local", expected=target)
-            storage = autograd.apply(_GradLayout, storage, grad, target, tuple(self._shape))
-        return backend_of(self.device_mesh).shard(storage, self._layout, tuple(self._shape), device)
+        value = (
+            self
+            if grad_placements is None
+            else with_grad_layout(self, grad_placements, "fd.DTensor.to_local")
+        )
+        return backend_of(self.device_mesh).shard(value._storage, self._layout, tuple(self._shape), device)
 
     def full_tensor(self, *, grad_placements: PlacementsOrSpec | None = None) -> torch.Tensor:
         """The global value on every device (Partial axes reduced). Differentiable.
@@ -259,11 +260,18 @@ class DTensor:
         grad = self._grad_layout(grad_placements, "fd.DTensor.full_tensor", expected=replicated)
         return autograd.apply(_FullTensorWithGrad, self._storage, self._layout, grad, shape)
 
-    def _grad_layout(self, grad_placements: PlacementsOrSpec, api: str, *, expected: Layout) -> Layout:
-        """The normalized layout of ``grad_placements`` given to ``api``: one whose Partial
-        axes sum, equal to ``expected`` once they read as Replicate."""
-        where = f"{api}(grad_placements)"
-        grad = layout_for(self.device_mesh, grad_placements, self.ndim, api, argument="grad_placements")
+    def _grad_layout(
+        self,
+        grad_placements: PlacementsOrSpec,
+        api: str,
+        *,
+        expected: Layout,
+        argument: str = "grad_placements",
+    ) -> Layout:
+        """The normalized layout of ``grad_placements`` given to ``api`` (as ``argument``): one
+        whose Partial axes sum, equal to ``expected`` once they read as Replicate."""
+        where = f"{api}({argument})"
+        grad = layout_for(self.device_mesh, grad_placements, self.ndim, api, argument=argument)
         for name, placement in zip(grad.mesh.axis_names, grad.placements):
             if placement.is_partial() and placement.op != "sum":
                 raise LayoutError(
@@ -297,6 +305,19 @@ class DTensor:
 
     def __len__(self) -> int:
         return self._shape[0]
+
+
+def with_grad_layout(
+    x: DTensor, grad_placements: PlacementsOrSpec, api: str, *, argument: str = "grad_placements"
+) -> DTensor:
+    """``x``, whose gradient comes in ``grad_placements`` (given to ``api`` as ``argument``):
+    the backward converts it to ``x``'s layout, as :meth:`DTensor.to_local` does."""
+    target = without_partial(x._layout)
+    grad = x._grad_layout(grad_placements, api, expected=target, argument=argument)
+    if grad == target:
+        return x
+    storage = autograd.apply(_GradLayout, x._storage, grad, target, tuple(x._shape))
+    return DTensor(storage, x._layout, x._shape)
 
 
 def storage_of(x: DTensor) -> torch.Tensor:

@@ -360,7 +360,7 @@ class _InputGuard(TorchFunctionMode):
         return self.mode.__torch_function__(func, types, args, kwargs)
 
 
-def check_inputs_not_written(func, args, kwargs, f, inputs, paths) -> None:
+def check_inputs_not_written(func, args, kwargs, f, inputs, paths, *, api: str = "fd.shard_map") -> None:
     """Refuse the torch op ``func(*args, **kwargs)`` of ``f``'s per-device function if it writes
     in place into one of the function's ``inputs`` or a view of one, before it runs. Inputs are
     values (JAX semantics): their memory is the caller's tensor or ``fd.DTensor`` on the
@@ -375,7 +375,7 @@ def check_inputs_not_written(func, args, kwargs, f, inputs, paths) -> None:
             out_of_place = name[:-1] if name.endswith("_") and not name.endswith("__") else None
             raise ImmutableError(
                 explain(
-                    f"fd.shard_map({getattr(f, '__qualname__', 'f')})({path})",
+                    f"{api}({getattr(f, '__qualname__', 'f')})({path})",
                     f"the per-device function writes into its input in place ({name})",
                     expected="inputs used as values, computed on out of place",
                     got=f"{name} on the input or a view of it",
