@@ -138,7 +138,9 @@ class OpReport(NamedTuple):
     out_shape: tuple[int, ...]
 
     def __str__(self) -> str:
-        moved = "no communication" if not self.total_bytes else f"{_size(self.total_bytes)} received per device"
+        moved = (
+            "no communication" if not self.total_bytes else f"{_size(self.total_bytes)} received per device"
+        )
         lines = [f"{self.op}: {moved}"]
         for i, (have, need, steps) in enumerate(zip(self.inputs, self.required, self.steps)):
             how = ", then ".join(str(s) for s in steps) if steps else "as it is"
@@ -165,7 +167,9 @@ def explain_op(op, /, *args, **kwargs) -> OpReport:
       output: P(sum), global shape (8, 8)
     """
     name, tensors, d = decision_for(op, args, kwargs)
-    return OpReport(name, tuple(t.layout for t in tensors), d.inputs, d.steps, d.cost, d.output, d.out_shapes[0])
+    return OpReport(
+        name, tuple(t.layout for t in tensors), d.inputs, d.steps, d.cost, d.output, d.out_shapes[0]
+    )
 
 
 def _size(nbytes: Fraction) -> str:

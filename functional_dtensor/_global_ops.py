@@ -40,7 +40,17 @@ from ._plan import Step, plan, step_bytes
 from ._redistribute import redistribute
 from ._sharding import shard_table
 
-__all__ = ["Handler", "Decision", "register", "register_sharding", "dispatch", "decide", "decision_for", "unsupported", "NAMESPACE"]
+__all__ = [
+    "Handler",
+    "Decision",
+    "register",
+    "register_sharding",
+    "dispatch",
+    "decide",
+    "decision_for",
+    "unsupported",
+    "NAMESPACE",
+]
 
 NAMESPACE = "functional_dtensor"
 
@@ -316,7 +326,10 @@ def register_sharding(op):
     def decorate(user_rule):
         def params(args, kwargs, tensors):
             shapes = optree.tree_map(
-                lambda v: v.shape if isinstance(v, DTensor) else v, (args, kwargs), none_is_leaf=True, namespace=NAMESPACE
+                lambda v: v.shape if isinstance(v, DTensor) else v,
+                (args, kwargs),
+                none_is_leaf=True,
+                namespace=NAMESPACE,
             )
             return shapes
 
@@ -366,7 +379,9 @@ def _per_device(func, args, kwargs, ctx):
             local[position] = block[tuple(slice(0, n) for n in table.local_shapes[device])]
         a, k = tree.unflatten(local)
         out = func(*a, **k)
-        pad = [p for n, full in zip(reversed(out.shape), reversed(out_table.padded_shape)) for p in (0, full - n)]
+        pad = [
+            p for n, full in zip(reversed(out.shape), reversed(out_table.padded_shape)) for p in (0, full - n)
+        ]
         outs.append(F.pad(out, pad) if any(pad) else out)
     return torch.stack(outs)
 

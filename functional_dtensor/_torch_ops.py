@@ -67,7 +67,9 @@ _UNARY = (
     "sign floor ceil round trunc logical_not isnan isinf isfinite square erf softplus leaky_relu elu "
     "relu6 hardtanh mish logsigmoid clamp clip nan_to_num"
 ).split()
-_BINARY = "pow maximum minimum eq ne lt le gt ge logical_and logical_or logical_xor atan2 remainder fmod where lerp".split()
+_BINARY = (
+    "pow maximum minimum eq ne lt le gt ge logical_and logical_or logical_xor atan2 remainder fmod where lerp"
+).split()
 
 for _name in _UNARY + _BINARY:
     register(_functions(_name), Handler(rules.elementwise, _none, _elementwise_local, _name))
@@ -382,7 +384,8 @@ def _normalization(*names: str):
 
 
 register(
-    [F.layer_norm], Handler(rules.along, _trailing(_normalized), _normalization("weight", "bias", "eps"), "layer_norm")
+    [F.layer_norm],
+    Handler(rules.along, _trailing(_normalized), _normalization("weight", "bias", "eps"), "layer_norm"),
 )
 register(
     [getattr(F, "rms_norm", None)],
@@ -723,8 +726,11 @@ def install() -> None:
     }  # fmt: skip
     for name, func in operators.items():
         setattr(DTensor, name, lambda self, other, func=func: dispatch(func, (self, other), {}))
-    for name, func in {"__radd__": torch.add, "__rsub__": torch.sub, "__rmul__": torch.mul,
-                       "__rtruediv__": torch.div, "__rpow__": torch.pow, "__rmatmul__": torch.matmul}.items():  # fmt: skip
+    reflected = {
+        "__radd__": torch.add, "__rsub__": torch.sub, "__rmul__": torch.mul, "__rtruediv__": torch.div,
+        "__rpow__": torch.pow, "__rmatmul__": torch.matmul,
+    }  # fmt: skip
+    for name, func in reflected.items():
         setattr(DTensor, name, _reflected(func))
     DTensor.__neg__ = lambda self: dispatch(torch.neg, (self,), {})
     DTensor.__abs__ = lambda self: dispatch(torch.abs, (self,), {})
@@ -734,9 +740,9 @@ def install() -> None:
     names = (
         "sum mean amax amin max min prod norm t transpose permute reshape view flatten unflatten squeeze "
         "unsqueeze expand to float double half bfloat16 int long bool type_as "
-        "clone detach contiguous softmax log_softmax cumsum exp log sqrt rsqrt tanh sigmoid relu abs neg pow "
-        "clamp clip matmul mm bmm maximum minimum split chunk where masked_fill eq ne lt le gt ge add sub mul "
-        "div square sin cos log1p allclose equal"
+        "clone detach contiguous softmax log_softmax cumsum exp log sqrt rsqrt tanh sigmoid relu abs neg "
+        "pow clamp clip matmul mm bmm maximum minimum split chunk where eq ne lt le gt ge add sub mul div "
+        "square sin cos log1p allclose equal"
     ).split()
     for name in names:
         setattr(DTensor, name, _method(getattr(torch.Tensor, name)))

@@ -31,7 +31,14 @@ FLOORS = {
     ],
     "collectives": ["_context", "_collectives"],
     "values": ["_dtensor", "_factories", "random"],
-    "transformations": ["_tracking", "_shard_map", "_redistribute", "_local_map", "_global_ops", "_torch_ops"],
+    "transformations": [
+        "_tracking",
+        "_shard_map",
+        "_redistribute",
+        "_local_map",
+        "_global_ops",
+        "_torch_ops",
+    ],
     "tools": ["_explain", "_comm_debug", "testing.*", "_demo", "__init__", "__main__"],
 }
 FUNCTORCH_HOME = "_simulated.functorch"
