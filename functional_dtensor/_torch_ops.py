@@ -16,11 +16,11 @@ from . import _rules as rules
 from . import random as fd_random
 from ._backend import backend_of
 from ._blocks import valid_mask
-from ._dtensor import DTensor, storage_of, without_partial
+from ._dtensor import DTensor, distribute_tensor, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
 from ._factories import empty, full, ones, zeros
 from ._global_ops import Handler, dispatch, register
-from ._placements import Shard
+from ._placements import Replicate, Shard
 from ._sharding import shard_table
 
 __all__: list[str] = []
@@ -766,3 +766,55 @@ def install() -> None:
 
 
 install()
+
+
+# --- losses ------------------------------------------------------------------------------------
+
+
+def _cross_entropy(func, args, kwargs, ctx):
+    """``F.cross_entropy`` of class logits and integer targets, as global ops: a stable
+    log-softmax over the class dim and a one-hot pick. Where the class dim is sharded (loss
+    parallel), only per-row maxima and sums cross devices, never the logits."""
+    names = (
+        "input",
+        "target",
+        "weight",
+        "size_average",
+        "ignore_index",
+        "reduce",
+        "reduction",
+        "label_smoothing",
+    )
+    bound = dict(zip(names, args)) | kwargs
+    logits, target = bound["input"], bound["target"]
+    unsupported_args = [n for n in ("weight", "size_average", "reduce") if bound.get(n) is not None]
+    if unsupported_args or bound.get("label_smoothing", 0.0) or not isinstance(target, DTensor):
+        raise InputTypeError(
+            explain(
+                "F.cross_entropy",
+                "cross_entropy of fd.DTensor takes class indices as an fd.DTensor, without weights",
+                expected="F.cross_entropy(logits, target, ignore_index=..., reduction=...)",
+                got=", ".join(unsupported_args) or f"target of type {type(target).__name__}",
+                fix="distribute the target (fd.distribute_tensor(t, mesh, fd.P(...))); apply class weights "
+                "or label smoothing inside fd.local_map",
+            )
+        )
+    dim = 1 if logits.ndim > 1 else 0
+    classes = logits.shape[dim]
+    shifted = logits - logits.detach().amax(dim, keepdim=True)
+    log_probs = shifted - shifted.exp().sum(dim, keepdim=True).log()
+    view = [1] * logits.ndim
+    view[dim] = classes
+    index = distribute_tensor(
+        torch.arange(classes).view(view), logits.device_mesh, [Replicate()] * logits.device_mesh.ndim
+    )
+    picked = (log_probs * (target.unsqueeze(dim) == index)).sum(dim)
+    keep = target != bound.get("ignore_index", -100)
+    losses = -(picked * keep)
+    reduction = bound.get("reduction", "mean")
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.sum() / keep.sum()
+
+
+register([F.cross_entropy], Handler(None, _none, _cross_entropy, "cross_entropy"))
