@@ -24,7 +24,7 @@ from . import _autograd as autograd
 from . import _blocks as blocks
 from ._backend import backend_of
 from ._dtensor import DTensor, layout_for, storage_of, without_partial
-from ._errors import InputTypeError, explain
+from ._errors import InputTypeError, MeshError, explain
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 from ._placements import Partial, Replicate, Shard
@@ -69,8 +69,24 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
     return DTensor(storage, target, x.shape)
 
 
-def _redistribute_method(self: DTensor, placements: PlacementsOrSpec) -> DTensor:
-    """This value in another layout: :func:`fd.redistribute(self, placements) <redistribute>`."""
+def _redistribute_method(self: DTensor, *args, device_mesh=None, placements=None) -> DTensor:
+    """This value in another layout: :func:`fd.redistribute(self, placements) <redistribute>`.
+    Torch DTensor's form, ``x.redistribute(device_mesh, placements)``, is taken too (the mesh
+    must be the value's own)."""
+    if args and isinstance(args[0], DeviceMesh):
+        device_mesh, args = args[0], args[1:]
+    if args:
+        placements = args[0]
+    if device_mesh is not None and device_mesh != self.device_mesh:
+        raise MeshError(
+            explain(
+                "fd.DTensor.redistribute(device_mesh)",
+                "redistribute changes the layout on the value's own mesh",
+                expected=f"{self.device_mesh} (or no mesh)",
+                got=repr(device_mesh),
+                fix="to move a value to another mesh: fd.distribute_tensor(x.full_tensor(), mesh, ...)",
+            )
+        )
     return redistribute(self, placements)
 
 

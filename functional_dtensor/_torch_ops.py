@@ -16,7 +16,7 @@ from . import _rules as rules
 from . import random as fd_random
 from ._backend import backend_of
 from ._blocks import valid_mask
-from ._dtensor import DTensor, distribute_tensor, storage_of, without_partial
+from ._dtensor import DTensor, distribute_tensor, from_local, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
 from ._factories import empty, full, ones, zeros
 from ._global_ops import Handler, dispatch, register
@@ -761,6 +761,7 @@ def install() -> None:
     DTensor.backward = _backward
     DTensor.item = _item
     DTensor.tolist = lambda self: self.full_tensor().tolist()
+    DTensor.from_local = staticmethod(from_local)  # torch DTensor's spelling
     DTensor.__float__ = lambda self: float(self.full_tensor())
     DTensor.__int__ = lambda self: int(self.full_tensor())
 
@@ -818,3 +819,57 @@ def _cross_entropy(func, args, kwargs, ctx):
 
 
 register([F.cross_entropy], Handler(None, _none, _cross_entropy, "cross_entropy"))
+
+
+# --- einsum ------------------------------------------------------------------------------------
+
+
+def _einsum_params(args, kwargs, tensors):
+    equation = args[0].replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        raise InputTypeError(
+            explain(
+                "torch.einsum(equation)",
+                "einsum of fd.DTensor takes an explicit equation",
+                expected="labels for every dim and an output after '->' (no '...')",
+                got=repr(args[0]),
+                fix="write every dim's label and the output, e.g. 'bij,bjk->bik'",
+            )
+        )
+    inputs, output = equation.split("->")
+    return (tuple(inputs.split(",")), output)
+
+
+def _einsum_rule(call):
+    """A label kept in the output may be sharded on every operand that has it (the others
+    replicated); a label summed over may be sharded on every operand, giving a Partial sum."""
+    inputs, output = call.params
+    options = [rules.Option((rules.R,) * len(inputs), rules.R)]
+    labels = {label for term in inputs for label in term}
+    for label in sorted(labels):
+        placements = tuple(Shard(term.index(label)) if label in term else rules.R for term in inputs)
+        if label in output:
+            if call.out_shape[output.index(label)] > 1:
+                options.append(rules.Option(placements, Shard(output.index(label))))
+        elif all(label in term for term in inputs):
+            options.append(rules.Option(placements, rules.SUM))
+    if len(inputs) == 2:
+        options += [
+            rules.Option((rules.SUM, rules.R), rules.SUM),
+            rules.Option((rules.R, rules.SUM), rules.SUM),
+        ]
+    return options
+
+
+def _einsum_local(func, args, kwargs, ctx):
+    inputs, output = ctx.decision.call.params
+    operands = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) else args[1]
+    if ctx.lead:
+        device = next(
+            c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in "".join(inputs)
+        )
+        inputs, output = tuple(device + term for term in inputs), device + output
+    return torch.einsum(f"{','.join(inputs)}->{output}", *operands)
+
+
+register([torch.einsum], Handler(_einsum_rule, _einsum_params, _einsum_local, "einsum"))

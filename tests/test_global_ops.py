@@ -453,3 +453,68 @@ def test_cross_entropy_with_class_sharded_logits(logits_spec, reduction):
         F.cross_entropy(x.requires_grad_(), target, reduction=reduction).sum(), x
     )
     close(leaf.grad, expected)
+
+
+@given(data=st.data(), b=st.integers(1, 3), i=st.integers(1, 5), j=st.integers(1, 5), k=st.integers(1, 5))
+def test_einsum(data, b, i, j, k):
+    la, lb = data.draw(layouts_for([(b, i, j), (b, j, k)]))
+    lb = fd.Layout(la.mesh, lb.placements, lb.shard_order)
+    x, y = values((b, i, j), 1), values((b, j, k), 2)
+    tx, dx = spread(x, la, True)
+    ty, dy = spread(y, lb, True)
+    for equation in ("bij,bjk->bik", "bij,bjk->kb", "bij,bjk->"):
+        out = torch.einsum(equation, dx, dy)
+        close(out.full_tensor(), torch.einsum(equation, x, y))
+    torch.einsum("bij,bjk->ik", dx, dy).full_tensor().sum().backward()
+    gx, gy = torch.autograd.grad(
+        torch.einsum("bij,bjk->ik", x.requires_grad_(), y.requires_grad_()).sum(), (x, y)
+    )
+    close(tx.grad, gx)
+    close(ty.grad, gy)
+
+
+def test_redistribute_takes_torchs_form():
+    mesh = fd.simulated_mesh(2, "x")
+    d = fd.distribute_tensor(values((4, 4), 1), mesh, fd.P("x"))
+    assert d.redistribute(mesh, [R]).placements == (R,)
+    assert d.redistribute(device_mesh=mesh, placements=[S(1)]).placements == (S(1),)
+    other = fd.simulated_mesh(2, "y")
+    check(fd.MeshError, ValueError, lambda: d.redistribute(other, [R]), "redistribute(device_mesh)")
+
+
+def job_ops(mesh):
+    """A catalogue of op calls on several layouts: every device's output shard."""
+    names = mesh.axis_names
+    out = {}
+    x, w, idx = values((8, 6), 1), values((6, 8), 2), torch.tensor([[0, 5], [7, 2], [3, 3], [1, 6]])
+    for n, spec in enumerate([fd.P(), fd.P(names[0]), fd.P(None, names[-1]), fd.P(names)]):
+        d = fd.distribute_tensor(x, mesh, spec)
+        e = fd.distribute_tensor(w, mesh, fd.P(*reversed(tuple(spec))) if len(spec) else fd.P())
+        table = fd.distribute_tensor(x, mesh, fd.P(names[-1]))
+        cases = {
+            "add": d + d.sum(0),
+            "matmul": d @ e,
+            "mean": d.mean(),
+            "amax": d.amax(1),
+            "softmax": torch.softmax(d, -1),
+            "view": d.t().reshape(3, 16),
+            "index": d[1:5, ::2],
+            "cat": torch.cat([d, d * 2], 1),
+            "einsum": torch.einsum("ij,jk->ik", d, e),
+            "embedding": F.embedding(fd.distribute_tensor(idx, mesh, fd.P(names[0])), table),
+            "cross_entropy": F.cross_entropy(d, fd.distribute_tensor(idx[:, 0].repeat(2), mesh, fd.P())),
+        }
+        for name, value in cases.items():
+            out[f"{name} {n}"] = list(value.local_shards())
+    return out
+
+
+@pytest.mark.meshes((2,), (4,), (2, 2))
+def test_the_op_catalogue_is_the_same_on_both_backends(backend, mesh):
+    results = backend.run(job_ops, mesh.shape, mesh.names)
+    expected = job_ops(mesh.simulated())
+    for name, shards in expected.items():
+        got = per_device(results, name)
+        assert len(got) == len(shards), name
+        for a, b in zip(got, shards):
+            close(a, b)

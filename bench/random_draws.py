@@ -1,6 +1,6 @@
 """Throughput of ``fd.random`` draws against ``torch.randn`` / ``torch.rand``.
 
-    python bench/random.py [--quick]
+    python bench/random_draws.py [--quick]
 
 2**24 float32 elements: drawn on one device (a local draw), and as an ``fd.DTensor`` of shape
 (4096, 4096) over 8 simulated devices, split by rows (``P("x")``: each device's shard is one
@@ -14,20 +14,13 @@ throughput, sharded or not.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
-# this file is named random.py: the standard library's random must be found before it
-HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != HERE] + [HERE]
+import torch
+from _timing import interleaved, median_ms, print_table
 
-import argparse  # noqa: E402
-
-import torch  # noqa: E402
-from _timing import interleaved, median_ms, print_table  # noqa: E402
-
-import functional_dtensor as fd  # noqa: E402
-from functional_dtensor import _philox_native  # noqa: E402
+import functional_dtensor as fd
+from functional_dtensor import _philox_native
 
 N = 1 << 24
 SMALL = 1 << 20
