@@ -232,10 +232,17 @@ def _reduction(kind: str):
                 storage, dim=negative, keepdim=keepdim, dtype=dtype or ctx.decision.out_dtypes[0]
             )
             return total / math.prod(shape[d] for d in dims)
-        if kind == "amax":
-            return torch.amax(storage, dim=negative, keepdim=keepdim)
-        if kind == "amin":
-            return torch.amin(storage, dim=negative, keepdim=keepdim)
+        if kind in ("amax", "amin"):
+            if any(storage.shape[d] == 0 for d in negative):  # an empty shard: the identity
+                shape = [1 if i - storage.dim() in negative else n for i, n in enumerate(storage.shape)]
+                if not keepdim:
+                    shape = [n for i, n in enumerate(shape) if i - storage.dim() not in negative]
+                identity = -math.inf if kind == "amax" else math.inf
+                if not storage.is_floating_point():
+                    info = torch.iinfo(storage.dtype)
+                    identity = info.min if kind == "amax" else info.max
+                return torch.full(shape, identity, dtype=storage.dtype, device=storage.device)
+            return (torch.amax if kind == "amax" else torch.amin)(storage, dim=negative, keepdim=keepdim)
         for d in sorted(negative):
             storage = torch.prod(storage, dim=d, keepdim=True, dtype=dtype)
         return storage if keepdim else storage.squeeze(tuple(negative))
