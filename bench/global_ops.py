@@ -32,24 +32,17 @@ functions by their own time.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import cProfile
+import os
+import pstats
+import warnings
 
-# bench/random.py would shadow the standard library's random: search this folder last
-HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != HERE] + [HERE]
+import torch
+import torch.distributed as dist
+from _timing import interleaved, median_ms, print_table, verdict
 
-import argparse  # noqa: E402
-import cProfile  # noqa: E402
-import os  # noqa: E402
-import pstats  # noqa: E402
-import warnings  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _timing import interleaved, median_ms, print_table, verdict  # noqa: E402
-
-import functional_dtensor as fd  # noqa: E402
+import functional_dtensor as fd
 
 N = 8  # global shape N x N
 TARGET_US = 5.0

@@ -85,6 +85,7 @@ def handler_of(func) -> Handler | None:
 
 class Decision(NamedTuple):
     inputs: tuple[Layout, ...]  # the layout each DTensor input needs
+    fits: tuple[bool, ...]  # per input: whether it is in that layout already
     pvary: tuple[tuple[str, ...], ...]  # per input: the axes its gradient is summed over
     output: Layout
     out_shapes: tuple[tuple[int, ...], ...]  # one per output (a tuple-returning op has several)
@@ -92,14 +93,17 @@ class Decision(NamedTuple):
     call: rules.Call
     steps: tuple[tuple[Step, ...], ...]  # per input: its redistribute
     cost: Fraction
+    padded: tuple[bool, ...]  # per output: whether its stacked blocks have padding to zero
+    context: Context  # what the local op is given
 
 
 class Context(NamedTuple):
     """What a local op knows: the storage's leading dims (1 on the simulated backend: the
-    device dim) and the decision."""
+    device dim), the decision, and whether some input has fewer dims than the output."""
 
     lead: int
     decision: Decision
+    align: bool
 
 
 _COSTS: dict = {}
@@ -171,16 +175,23 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
         )
         for layout in required
     )
-    return Decision(
+    lead = 1 if backend_of(mesh).stacked else 0
+    out_shapes = tuple(torch.Size(o.shape) for o in outs)
+    decision = Decision(
         tuple(required),
+        tuple(c == r for c, r in zip(current, required)),
         pvary,
         output,
-        tuple(tuple(o.shape) for o in outs),
+        out_shapes,
         tuple(o.dtype for o in outs),
         call,
         tuple(steps for steps, _ in planned),
         cost,
+        tuple(bool(lead) and not shard_table(output, tuple(s)).is_even for s in out_shapes),
+        None,
     )
+    align = any(len(s) < len(out_shapes[0]) for s in shapes)
+    return decision._replace(context=Context(lead, decision, align))
 
 
 # --- dispatch ---------------------------------------------------------------------------------
@@ -238,49 +249,65 @@ def _key_of(value):
     return value
 
 
+#: argument types of a call that needs no pytree flattening (the common case: ``a + b``, ``x.sum(0)``)
+_FLAT = frozenset([DTensor, int, float, bool, type(None), torch.dtype, str])
+
+
 def dispatch(func, args, kwargs):
     """``func(*args, **kwargs)`` where some arguments are ``fd.DTensor``."""
-    kwargs = kwargs or {}
     handler = _HANDLERS.get(func)
     if handler is None:
         raise unsupported(func)
     if handler.rule is None:  # a composite of global ops, or an op on global values
-        return handler.local(func, args, kwargs, None)
-    leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
-    tensors = [v for v in leaves if isinstance(v, DTensor)]
-    _check_values(handler.name, leaves, tensors)
-    key = (
-        func,
-        tree,
-        tuple([(t.layout, t.shape, t.dtype) for t in tensors]),
-        tuple([_key_of(v) for v in leaves if not isinstance(v, DTensor)]),
-    )
+        return handler.local(func, args, kwargs or {}, None)
+    if not kwargs and all([type(a) in _FLAT for a in args]):
+        leaves, tree = args, None
+    else:
+        leaves, tree = optree.tree_flatten((args, kwargs or {}), none_is_leaf=True, namespace=NAMESPACE)
+    key = [func, tree]
+    tensors = []
+    for value in leaves:
+        if type(value) is DTensor:
+            tensors.append(value)
+            key += (value.layout, value.shape, storage_of(value).dtype)
+        else:
+            key.append(_key_of(value))
+    key = tuple(key)
     decision = _DECISIONS.get(key)
     if decision is None:
-        decision = _DECISIONS[key] = decide(func, handler, args, kwargs, tensors)
-    mesh = decision.output.mesh
-    backend = backend_of(mesh)
+        _check_values(handler.name, leaves, tensors)
+        decision = _DECISIONS[key] = decide(func, handler, args, kwargs or {}, tensors)
     grad = torch.is_grad_enabled()
     storages = []
-    for t, layout, axes in zip(tensors, decision.inputs, decision.pvary):
-        storage = storage_of(t if t.layout == layout else redistribute(t, layout))
+    for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary):
+        storage = storage_of(t if fits else redistribute(t, layout))
         if axes and grad and storage.requires_grad:
-            storage = on_storage(storage, mesh, Pvary, axes)
+            storage = on_storage(storage, decision.output.mesh, Pvary, axes)
         storages.append(storage)
     feed = iter(storages)
-    local_leaves = [next(feed) if isinstance(v, DTensor) else _on_mesh(v, mesh) for v in leaves]
-    local_args, local_kwargs = tree.unflatten(local_leaves)
-    lead = 1 if backend.stacked else 0
-    out = handler.local(func, local_args, local_kwargs, Context(lead, decision))
-    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    values = []
-    for storage, shape in zip(outs, decision.out_shapes):
-        if lead and not shard_table(decision.output, shape).is_even:
-            storage = storage.masked_fill(~valid_mask(decision.output, shape, str(storage.device)), 0)
-        values.append(DTensor(storage, decision.output, shape))
-    if isinstance(out, (tuple, list)):
-        return type(out)(values) if not hasattr(out, "_fields") else type(out)(*values)
-    return values[0]
+    if tree is None:
+        local_args = [next(feed) if type(v) is DTensor else v for v in leaves]
+        local_kwargs = {}
+    else:
+        mesh = decision.output.mesh
+        local_args, local_kwargs = tree.unflatten(
+            [next(feed) if type(v) is DTensor else _on_mesh(v, mesh) for v in leaves]
+        )
+    out = handler.local(func, local_args, local_kwargs, decision.context)
+    if type(out) is torch.Tensor:
+        if decision.padded[0]:
+            out = _zero_padding(out, decision.output, decision.out_shapes[0])
+        return DTensor(out, decision.output, decision.out_shapes[0])
+    values = [
+        DTensor(_zero_padding(o, decision.output, shape) if padded else o, decision.output, shape)
+        for o, shape, padded in zip(out, decision.out_shapes, decision.padded)
+    ]
+    return type(out)(*values) if hasattr(out, "_fields") else type(out)(values)
+
+
+def _zero_padding(storage: torch.Tensor, layout: Layout, shape) -> torch.Tensor:
+    """The padding of stacked uneven blocks zeroed (an op may have written into it)."""
+    return storage.masked_fill(~valid_mask(layout, shape, str(storage.device)), 0)
 
 
 _DECISIONS: dict = {}

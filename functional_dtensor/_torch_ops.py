@@ -37,7 +37,7 @@ def _plain(func, args, kwargs, ctx):
 def _align(args, kwargs, ctx):
     """On stacked storage, singleton dims after the device dim for inputs of lower rank than
     the output, so broadcasting aligns tensor dims with tensor dims."""
-    if not ctx.lead:
+    if not ctx.lead or not ctx.align:
         return args, kwargs
     ndim = len(ctx.decision.out_shapes[0])
 
@@ -134,7 +134,7 @@ register([torch.Tensor.detach, torch.detach], Handler(rules.linear, _none, _plai
 
 def _matmul_local(func, args, kwargs, ctx):
     a, b = args[0], args[1]
-    if ctx.lead:  # align batch dims after the device dim
+    if ctx.lead and a.dim() != b.dim():  # align batch dims after the device dim
         ndim = len(ctx.decision.out_shapes[0])
         a, b = (x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b))
     return torch.matmul(a, b)
