@@ -37,7 +37,7 @@ from ._errors import FunctionalDTensorError, InputTypeError, MeshError, ShapeErr
 from ._layout import Layout
 from ._placements import Replicate
 from ._plan import Step, plan, step_bytes
-from ._redistribute import redistribute
+from ._redistribute import layout_key, layout_of_key, redistribute
 from ._sharding import shard_table
 
 __all__ = [
@@ -70,10 +70,17 @@ class Handler(NamedTuple):
 _HANDLERS: dict[Callable, Handler] = {}
 
 
+_FUNCS: list[Callable] = []  # every registered function, by a number Dynamo takes as a constant
+_FUNC_IDS: dict[Callable, int] = {}
+
+
 def register(funcs: Sequence[Callable | None], handler: Handler) -> None:
     for func in funcs:
         if func is not None:
             _HANDLERS[func] = handler
+            if func not in _FUNC_IDS:
+                _FUNC_IDS[func] = len(_FUNCS)
+                _FUNCS.append(func)
 
 
 def handler_of(func) -> Handler | None:
@@ -264,19 +271,31 @@ def dispatch(func, args, kwargs):
         leaves, tree = args, None
     else:
         leaves, tree = optree.tree_flatten((args, kwargs or {}), none_is_leaf=True, namespace=NAMESPACE)
-    key = [func, tree]
-    tensors = []
-    for value in leaves:
-        if type(value) is DTensor:
-            tensors.append(value)
-            key += (value.layout, value.shape, storage_of(value).dtype)
-        else:
-            key.append(_key_of(value))
-    key = tuple(key)
-    decision = _DECISIONS.get(key)
-    if decision is None:
-        _check_values(handler.name, leaves, tensors)
-        decision = _DECISIONS[key] = decide(func, handler, args, kwargs or {}, tensors)
+    tensors = [v for v in leaves if type(v) is DTensor]
+    if torch.compiler.is_compiling():  # decided outside the graph, from constants
+        if tree is not None:
+            raise unsupported_while_compiling(handler.name)
+        spec = tuple(
+            [
+                ("fd.DTensor", layout_key(v.layout), tuple(v.shape), str(v.dtype), v.requires_grad)
+                if type(v) is DTensor
+                else (("dtype", str(v)) if isinstance(v, torch.dtype) else v)
+                for v in leaves
+            ]
+        )
+        decision = _rebuilt(_decision_key(_decision_index(_FUNC_IDS[func], spec)))
+    else:
+        key = [func, tree]
+        for value in leaves:
+            if type(value) is DTensor:
+                key += (value.layout, value.shape, storage_of(value).dtype)
+            else:
+                key.append(_key_of(value))
+        key = tuple(key)
+        decision = _DECISIONS.get(key)
+        if decision is None:
+            _check_values(handler.name, leaves, tensors)
+            decision = _DECISIONS[key] = decide(func, handler, args, kwargs or {}, tensors)
     grad = torch.is_grad_enabled()
     storages = []
     for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary):
@@ -303,6 +322,90 @@ def dispatch(func, args, kwargs):
         for o, shape, padded in zip(out, decision.out_shapes, decision.padded)
     ]
     return type(out)(*values) if hasattr(out, "_fields") else type(out)(values)
+
+
+_DECISION_LIST: list[Decision] = []
+_DECISION_INDEX: dict = {}
+
+
+@torch._dynamo.assume_constant_result
+def _decision_index(func_id: int, spec: tuple) -> int:
+    """The decision of a flat call described by constants (a DTensor by its layout's key,
+    shape, dtype and whether it needs a gradient), made eagerly while Dynamo traces."""
+    func = _FUNCS[func_id]
+    index = _DECISION_INDEX.get((func, spec))
+    if index is None:
+        args = tuple([_constant_arg(item) for item in spec])
+        tensors = [a for a in args if type(a) is DTensor]
+        handler = _HANDLERS[func]
+        _check_values(handler.name, args, tensors)
+        index = _DECISION_INDEX[(func, spec)] = len(_DECISION_LIST)
+        _DECISION_LIST.append(decide(func, handler, args, {}, tensors))
+    return index
+
+
+@torch._dynamo.assume_constant_result
+def _decision_key(index: int) -> tuple:
+    """A decision as constants Dynamo takes (layouts by key, dtypes by name); rebuilt in the
+    graph by :func:`_rebuilt`, so its layouts are values the graph knows."""
+    d = _DECISION_LIST[index]
+    return (
+        tuple([layout_key(layout) for layout in d.inputs]),
+        d.fits,
+        d.pvary,
+        layout_key(d.output),
+        tuple([tuple(s) for s in d.out_shapes]),
+        tuple([str(t) for t in d.out_dtypes]),
+        (d.call.shapes, d.call.out_shape, d.call.params),
+        d.padded,
+        d.context.lead,
+        d.context.align,
+    )
+
+
+def _rebuilt(key: tuple) -> Decision:
+    inputs, fits, pvary, output, out_shapes, out_dtypes, call, padded, lead, align = key
+    decision = Decision(
+        tuple([layout_of_key(k) for k in inputs]),
+        fits,
+        pvary,
+        layout_of_key(output),
+        tuple([torch.Size(s) for s in out_shapes]),
+        tuple([_dtype(t) for t in out_dtypes]),
+        rules.Call(*call),
+        (),
+        Fraction(0),
+        padded,
+        None,
+    )
+    return decision._replace(context=Context(lead, decision, align))
+
+
+def _constant_arg(item):
+    if isinstance(item, tuple) and item[:1] == ("fd.DTensor",):
+        _, key, shape, dtype, requires_grad = item
+        storage = torch.empty(0, dtype=_dtype(dtype), device="meta").requires_grad_(requires_grad)
+        return DTensor(storage, layout_of_key(key), shape)
+    if isinstance(item, tuple) and item[:1] == ("dtype",):
+        return _dtype(item[1])
+    return item
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def unsupported_while_compiling(name: str) -> FunctionalDTensorError:
+    return FunctionalDTensorError(
+        explain(
+            f"torch.{name} (under torch.compile)",
+            "a call with nested arguments (lists, slices, keyword arguments) is decided outside "
+            "the graph only in eager mode",
+            expected="tensors and numbers as positional arguments",
+            got="nested arguments",
+            fix="call it outside the compiled function, or inside fd.shard_map / fd.local_map",
+        )
+    )
 
 
 def _zero_padding(storage: torch.Tensor, layout: Layout, shape) -> torch.Tensor:

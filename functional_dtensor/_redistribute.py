@@ -16,6 +16,7 @@ value.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from . import _autograd as autograd
 from . import _blocks as blocks
 from ._backend import backend_of
+from ._cache import cached
 from ._dtensor import DTensor, layout_for, storage_of, without_partial
 from ._errors import InputTypeError, MeshError, explain
 from ._layout import Layout, PlacementsOrSpec
@@ -36,6 +38,7 @@ from ._plan import (
     Permute,
     ReduceBroadcast,
     ReduceScatter,
+    Regather,
     Relabel,
     Slice,
     Step,
@@ -44,7 +47,7 @@ from ._plan import (
     plan,
 )
 
-__all__ = ["redistribute"]
+__all__ = ["redistribute", "layout_key", "layout_of_key"]
 
 
 def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
@@ -65,8 +68,31 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
     target = layout_for(x.device_mesh, placements, x.ndim, "fd.redistribute")
     if target == x.layout:
         return x
-    storage = autograd.apply(_Redistribute, storage_of(x), x.layout, target, tuple(x.shape))
+    storage = storage_of(x)
+    shape = tuple(x.shape)
+    back_source, back_target, same = _back(x.layout, target)
+    steps = _steps(x.layout, target, shape, storage)
+    back = (back_source, back_target, () if same else _steps(back_source, back_target, shape, storage))
+    storage = autograd.apply(_Redistribute, storage, x.layout, target, shape, steps, back)
     return DTensor(storage, target, x.shape)
+
+
+def _steps(source: Layout, target: Layout, shape: tuple[int, ...], storage: torch.Tensor) -> tuple[Step, ...]:
+    """The planned steps from ``source`` to ``target``, found outside any compiled graph (the
+    planner is not traced: under ``torch.compile`` it runs eagerly from keys, and the graph
+    rebuilds the steps from constants)."""
+    integral = not (storage.is_floating_point() or storage.is_complex())
+    if not torch.compiler.is_compiling():
+        return _PLANS[
+            _plan_index(layout_key(source), layout_key(target), shape, storage.element_size(), integral)
+        ]
+    keys = _plan_key(layout_key(source), layout_key(target), shape, storage.element_size(), integral)
+    return tuple(
+        [
+            _STEP_KINDS[kind](layout_of_key(a), layout_of_key(b), axes, *extra)
+            for kind, a, b, axes, extra in keys
+        ]
+    )
 
 
 def _redistribute_method(self: DTensor, *args, device_mesh=None, placements=None) -> DTensor:
@@ -99,44 +125,108 @@ class _Redistribute(torch.autograd.Function):
     result, redistributed to the source layout (Partial axes as Replicate)."""
 
     @staticmethod
-    def forward(storage, source, target, shape):
+    def forward(storage, source, target, shape, steps, back):
         if storage.is_meta:  # shapes only: nothing to move
             return backend_of(target.mesh).meta(target, shape, storage.dtype)
-        integral = not (storage.is_floating_point() or storage.is_complex())
-        index = _plan_index(_key(source), _key(target), shape, storage.element_size(), integral)
-        for step in _PLANS[index]:
+        for step in steps:
             storage = run(step, storage, shape)
         return storage
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.source, ctx.target, ctx.shape = inputs
+        _, ctx.source, ctx.target, ctx.shape, ctx.steps, ctx.back = inputs
 
     @staticmethod
-    def vmap(info, in_dims, storage, source, target, shape):
-        # a mapped batch becomes one more trailing dim of the value, whole on every device
+    def vmap(info, in_dims, storage, source, target, shape, steps, back):
+        # a mapped batch becomes one more trailing dim of the value, whole on every device: the
+        # value's shape changes, so the plans are made again for it
         moved = storage.movedim(in_dims[0], -1)
-        return autograd.apply(_Redistribute, moved, source, target, (*shape, moved.shape[-1])), -1
+        return storage_of(redistribute(DTensor(moved, source, (*shape, moved.shape[-1])), target)), -1
 
     @staticmethod
     def backward(ctx, g):
-        source, target = without_partial(ctx.target), without_partial(ctx.source)
+        source, target, steps = ctx.back  # the cotangent moves to the source (Partial as Replicate)
         if source == target:
-            return g, None, None, None
-        return autograd.apply(_Redistribute, g, source, target, ctx.shape), None, None, None
+            return g, None, None, None, None, None
+        # its own backward: the cotangent moves back the way the forward went, Partial as Replicate
+        again = (target, source, _steps(target, source, ctx.shape, g))
+        return (
+            autograd.apply(_Redistribute, g, source, target, ctx.shape, steps, again),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
     @staticmethod
-    def jvp(ctx, t, _source, _target, _shape):
-        return autograd.apply(_Redistribute, t, ctx.source, ctx.target, ctx.shape)
+    def jvp(ctx, t, _source, _target, _shape, _steps, _back):
+        return autograd.apply(_Redistribute, t, ctx.source, ctx.target, ctx.shape, ctx.steps, ctx.back)
 
 
 # Under torch.compile the planner is not traced: it runs eagerly, from primitive keys of the
 # layouts, and the graph keeps the index of its plan here.
 _PLANS: list[tuple[Step, ...]] = []
+_STEP_KINDS = {
+    kind.__name__: kind
+    for kind in (
+        AllGather,
+        AllReduce,
+        ReduceScatter,
+        AllToAll,
+        Swap,
+        Permute,
+        ReduceBroadcast,
+        Slice,
+        Partition,
+        Relabel,
+        Regather,
+    )
+}
 _PLAN_INDEX: dict[tuple[Step, ...], int] = {}
 
 
-def _key(layout: Layout) -> tuple:
+def _back(source: Layout, target: Layout) -> tuple[Layout, Layout, bool]:
+    """The layouts the cotangent of a redistribute moves between (Partial axes as Replicate),
+    and whether they are one: decided eagerly, outside a compiled graph."""
+    if torch.compiler.is_compiling():
+        back_source, back_target, same = _reverse_key(layout_key(source), layout_key(target))
+        return layout_of_key(back_source), layout_of_key(back_target), same
+    return _reverse(source, target)
+
+
+@cached(1024)
+def _reverse(source: Layout, target: Layout) -> tuple[Layout, Layout, bool]:
+    back_source, back_target = without_partial(target), without_partial(source)
+    return back_source, back_target, back_source == back_target
+
+
+@torch._dynamo.assume_constant_result
+def _reverse_key(source_key: tuple, target_key: tuple) -> tuple:
+    back_source, back_target, same = _reverse(layout_of_key(source_key), layout_of_key(target_key))
+    return layout_key(back_source), layout_key(back_target), same
+
+
+@torch._dynamo.assume_constant_result
+def _plan_key(source_key: tuple, target_key: tuple, shape: tuple, itemsize: int, integral: bool) -> tuple:
+    """A plan as constants: per step its kind, its layouts' keys, its axes and other fields."""
+    steps = _PLANS[_plan_index(source_key, target_key, shape, itemsize, integral)]
+    return tuple(
+        [
+            (
+                type(step).__name__,
+                layout_key(step.source),
+                layout_key(step.target),
+                step.axes,
+                tuple([getattr(step, f.name) for f in dataclasses.fields(step)[3:]]),
+            )
+            for step in steps
+        ]
+    )
+
+
+def layout_key(layout: Layout) -> tuple:
+    """A layout as nested tuples of primitives (what Dynamo takes as a constant)."""
     mesh = layout.mesh
     placements = tuple(
         [
@@ -148,7 +238,8 @@ def _key(layout: Layout) -> tuple:
     return (mesh_key, placements, layout.shard_order)
 
 
-def _layout(key: tuple) -> Layout:
+def layout_of_key(key: tuple) -> Layout:
+    """The layout of :func:`layout_key`'s tuples."""
     (shape, names, device_type, backend, ids), placements, shard_order = key
     rebuilt = [
         Shard(v[1]) if v[0] == "S" else Partial(v[1]) if v[0] == "P" else Replicate() for v in placements
@@ -160,7 +251,7 @@ def _layout(key: tuple) -> Layout:
 def _plan_index(
     source_key: tuple, target_key: tuple, shape: tuple[int, ...], itemsize: int, integral: bool
 ) -> int:
-    steps = plan(_layout(source_key), _layout(target_key), shape, itemsize, integral)
+    steps = plan(layout_of_key(source_key), layout_of_key(target_key), shape, itemsize, integral)
     if steps not in _PLAN_INDEX:
         _PLAN_INDEX[steps] = len(_PLANS)
         _PLANS.append(steps)

@@ -136,7 +136,7 @@ def _matmul_local(func, args, kwargs, ctx):
     a, b = args[0], args[1]
     if ctx.lead and a.dim() != b.dim():  # align batch dims after the device dim
         ndim = len(ctx.decision.out_shapes[0])
-        a, b = (x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b))
+        a, b = [x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b)]
     return torch.matmul(a, b)
 
 
@@ -216,7 +216,8 @@ def _reduction(kind: str):
         shape = ctx.decision.call.shapes[0]
         layout = ctx.decision.inputs[0]
         negative = [d - len(shape) for d in dims]
-        dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+        dtypes = [a for a in args[1:] if isinstance(a, torch.dtype)]
+        dtype = kwargs.get("dtype", dtypes[0] if dtypes else None)
         if kind in ("amax", "amin", "prod") and ctx.lead and not shard_table(layout, shape).is_even:
             identity = {"amax": -math.inf, "amin": math.inf, "prod": 1}[kind]
             if not storage.is_floating_point() and kind != "prod":
@@ -231,9 +232,9 @@ def _reduction(kind: str):
             total = torch.sum(
                 storage, dim=negative, keepdim=keepdim, dtype=dtype or ctx.decision.out_dtypes[0]
             )
-            return total / math.prod(shape[d] for d in dims)
+            return total / math.prod([shape[d] for d in dims])
         if kind in ("amax", "amin"):
-            if any(storage.shape[d] == 0 for d in negative):  # an empty shard: the identity
+            if 0 in [storage.shape[d] for d in negative]:  # an empty shard: the identity
                 shape = [1 if i - storage.dim() in negative else n for i, n in enumerate(storage.shape)]
                 if not keepdim:
                     shape = [n for i, n in enumerate(shape) if i - storage.dim() not in negative]

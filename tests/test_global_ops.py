@@ -518,3 +518,32 @@ def test_the_op_catalogue_is_the_same_on_both_backends(backend, mesh):
         assert len(got) == len(shards), name
         for a, b in zip(got, shards):
             close(a, b)
+
+
+def compiled_program(x, w1, w2, mesh):
+    """Global ops written as torch functions and methods (Dynamo traces them; it refuses
+    Python operators on a non-tensor value that defines ``__torch_function__``)."""
+    names = mesh.axis_names
+    X = fd.distribute_tensor(x, mesh, fd.P(names[0]))
+    h = torch.matmul(X, fd.distribute_tensor(w1, mesh, fd.P(None, names[-1]))).relu()
+    y = F.softmax(torch.matmul(h, fd.distribute_tensor(w2, mesh, fd.P(names[-1]))), -1)
+    return torch.add(y.square().sum(), h.mean()).full_tensor()
+
+
+def job_compiled(mesh):
+    x, w1, w2 = values((8, 6), 1), values((6, 8), 2).requires_grad_(), values((8, 4), 3).requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_program, backend="aot_eager", fullgraph=True)
+    out = compiled(x, w1, w2, mesh)
+    grads = torch.autograd.grad(out, (w1, w2))
+    eager = compiled_program(x, w1, w2, mesh)
+    eager_grads = torch.autograd.grad(eager, (w1, w2))
+    return {"out": out.detach(), "eager": eager.detach(), "grads": grads, "eager_grads": eager_grads}
+
+
+@pytest.mark.meshes((2,), (2, 2))
+def test_a_program_of_global_ops_compiles_with_fullgraph(backend, mesh):
+    for result in backend.run(job_compiled, mesh.shape, mesh.names, timeout=240):
+        close(result["out"], result["eager"])
+        for got, expected in zip(result["grads"], result["eager_grads"]):
+            close(got, expected)

@@ -11,6 +11,7 @@ use, by every rank alike) and reused.
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -69,6 +70,9 @@ def init_device_mesh(
         )
     mesh = DeviceMesh(shape, names, device_type, "distributed")
     torch_mesh(mesh)
+    for count in range(1, len(names) + 1):  # every group made now, by every rank in one order: a
+        for axes in itertools.combinations(names, count):  # compiled graph never makes one
+            group(mesh, axes)
     return mesh
 
 
@@ -125,7 +129,8 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
             tm = torch_mesh(mesh)
             found = tm.get_group(names[0]) if len(names) == 1 else tm[names]._flatten().get_group()
             _groups[(mesh, names)] = found
-        _groups[(mesh, axes)] = found
+        if not torch.compiler.is_compiling():
+            _groups[(mesh, axes)] = found
     return found
 
 
