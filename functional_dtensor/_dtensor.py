@@ -325,6 +325,20 @@ def storage_of(x: DTensor) -> torch.Tensor:
     return x._storage
 
 
+def parts_of(x: DTensor) -> tuple[torch.Tensor, Layout, torch.Size]:
+    """``x``'s storage, layout and global shape, in one call (the global ops' hot path)."""
+    return x._storage, x._layout, x._shape
+
+
+def new_value(storage: torch.Tensor, layout: Layout, shape: torch.Size) -> DTensor:
+    """A value from checked parts (``shape`` a ``torch.Size``): the global ops' hot path."""
+    value = object.__new__(DTensor)
+    object.__setattr__(value, "_storage", storage)
+    object.__setattr__(value, "_layout", layout)
+    object.__setattr__(value, "_shape", shape)
+    return value
+
+
 def distribute_storage(tensor: torch.Tensor, layout: Layout, *, copy: bool = False) -> torch.Tensor:
     """The storage of the global ``tensor``, differentiably (``copy``: sharing no memory with
     it). Where storage and value are views of each other, their own backward reassembles the

@@ -32,7 +32,7 @@ from . import _rules as rules
 from ._backend import backend_of
 from ._blocks import valid_mask
 from ._collectives import Pvary, on_storage
-from ._dtensor import DTensor, storage_of
+from ._dtensor import DTensor, new_value, parts_of, storage_of
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, ShapeError, explain
 from ._layout import Layout
 from ._placements import Replicate
@@ -102,6 +102,8 @@ class Decision(NamedTuple):
     cost: Fraction
     padded: tuple[bool, ...]  # per output: whether its stacked blocks have padding to zero
     context: Context  # what the local op is given
+    direct: bool  # every input fits: no redistribute
+    pvary_any: bool  # some input's gradient is summed over axes
 
 
 class Context(NamedTuple):
@@ -196,6 +198,8 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
         cost,
         tuple(bool(lead) and not shard_table(output, tuple(s)).is_even for s in out_shapes),
         None,
+        all(c == r for c, r in zip(current, required)),
+        any(pvary),
     )
     align = any(len(s) < len(out_shapes[0]) for s in shapes)
     return decision._replace(context=Context(lead, decision, align))
@@ -257,7 +261,7 @@ def _key_of(value):
 
 
 #: argument types of a call that needs no pytree flattening (the common case: ``a + b``, ``x.sum(0)``)
-_FLAT = frozenset([DTensor, int, float, bool, type(None), torch.dtype, str])
+_FLAT = frozenset([DTensor, int, float, bool, type(None), torch.dtype, str])  # hashable as they are
 
 
 def dispatch(func, args, kwargs):
@@ -267,10 +271,45 @@ def dispatch(func, args, kwargs):
         raise unsupported(func)
     if handler.rule is None:  # a composite of global ops, or an op on global values
         return handler.local(func, args, kwargs or {}, None)
-    if not kwargs and all([type(a) in _FLAT for a in args]):
+    if kwargs or torch.compiler.is_compiling() or not all([type(a) in _FLAT for a in args]):
+        return _dispatch_tree(func, handler, args, kwargs or {})
+    # the common case, flat arguments: one pass builds the key and the local arguments
+    key = [func]
+    local = []
+    for value in args:
+        if type(value) is DTensor:
+            storage, layout, shape = parts_of(value)
+            key += (layout, shape, storage.dtype)
+            local.append(storage)
+        else:
+            key.append(value)
+            local.append(value)
+    decision = _DECISIONS.get(tuple(key))
+    if decision is None or not decision.direct or torch.is_grad_enabled() and decision.pvary_any:
+        return _dispatch_tree(func, handler, args, {})
+    return _wrap(handler.local(func, local, {}, decision.context), decision)
+
+
+def _wrap(out, decision: Decision):
+    if type(out) is torch.Tensor:
+        if decision.padded[0]:
+            out = _zero_padding(out, decision.output, decision.out_shapes[0])
+        return new_value(out, decision.output, decision.out_shapes[0])
+    values = [
+        new_value(_zero_padding(o, decision.output, shape) if padded else o, decision.output, shape)
+        for o, shape, padded in zip(out, decision.out_shapes, decision.padded)
+    ]
+    return type(out)(*values) if hasattr(out, "_fields") else type(out)(values)
+
+
+def _dispatch_tree(func, handler: Handler, args, kwargs):
+    """Any call: its arguments flattened as a pytree; redistributes and ``pvary`` where the
+    decision needs them."""
+    flat = not kwargs and all([type(a) in _FLAT for a in args])
+    if flat:
         leaves, tree = args, None
     else:
-        leaves, tree = optree.tree_flatten((args, kwargs or {}), none_is_leaf=True, namespace=NAMESPACE)
+        leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
     tensors = [v for v in leaves if type(v) is DTensor]
     if torch.compiler.is_compiling():  # decided outside the graph, from constants
         if tree is not None:
@@ -285,17 +324,17 @@ def dispatch(func, args, kwargs):
         )
         decision = _rebuilt(_decision_key(_decision_index(_FUNC_IDS[func], spec)))
     else:
-        key = [func, tree]
+        key = [func] if flat else [func, tree]
         for value in leaves:
             if type(value) is DTensor:
                 key += (value.layout, value.shape, storage_of(value).dtype)
             else:
-                key.append(_key_of(value))
+                key.append(value if flat else _key_of(value))
         key = tuple(key)
         decision = _DECISIONS.get(key)
         if decision is None:
             _check_values(handler.name, leaves, tensors)
-            decision = _DECISIONS[key] = decide(func, handler, args, kwargs or {}, tensors)
+            decision = _DECISIONS[key] = decide(func, handler, args, kwargs, tensors)
     grad = torch.is_grad_enabled()
     storages = []
     for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary):
@@ -312,16 +351,7 @@ def dispatch(func, args, kwargs):
         local_args, local_kwargs = tree.unflatten(
             [next(feed) if type(v) is DTensor else _on_mesh(v, mesh) for v in leaves]
         )
-    out = handler.local(func, local_args, local_kwargs, decision.context)
-    if type(out) is torch.Tensor:
-        if decision.padded[0]:
-            out = _zero_padding(out, decision.output, decision.out_shapes[0])
-        return DTensor(out, decision.output, decision.out_shapes[0])
-    values = [
-        DTensor(_zero_padding(o, decision.output, shape) if padded else o, decision.output, shape)
-        for o, shape, padded in zip(out, decision.out_shapes, decision.padded)
-    ]
-    return type(out)(*values) if hasattr(out, "_fields") else type(out)(values)
+    return _wrap(handler.local(func, local_args, local_kwargs, decision.context), decision)
 
 
 _DECISION_LIST: list[Decision] = []
@@ -377,6 +407,8 @@ def _rebuilt(key: tuple) -> Decision:
         Fraction(0),
         padded,
         None,
+        all(fits),
+        any(pvary),
     )
     return decision._replace(context=Context(lead, decision, align))
 
@@ -471,7 +503,8 @@ def register_sharding(op):
                 options.append(rules.Option(placements, output))
             return options
 
-        handler = Handler(rule, params, _per_device, getattr(op, "__name__", repr(op)))
+        name = getattr(op, "__name__", None) or getattr(op, "_name", None) or repr(op)
+        handler = Handler(rule, params, _per_device, name)
         register(_forms_of(op), handler)
         return user_rule
 
