@@ -547,3 +547,31 @@ def test_a_program_of_global_ops_compiles_with_fullgraph(backend, mesh):
         close(result["out"], result["eager"])
         for got, expected in zip(result["grads"], result["eager_grads"]):
             close(got, expected)
+
+
+def job_func_grad(mesh):
+    """First and second derivatives by torch.func of a function of global values."""
+    names = mesh.axis_names
+    x = values((8, 6), 1)
+
+    def loss(w):
+        X = fd.distribute_tensor(x, mesh, fd.P(names[0]))
+        W = fd.distribute_tensor(w, mesh, fd.P(None, names[-1]))
+        return F.softmax(torch.matmul(X, W).relu(), -1).square().sum().full_tensor()
+
+    w = values((6, 4), 2)
+    return torch.func.grad(loss)(w), torch.func.grad(lambda v: torch.func.grad(loss)(v).sin().sum())(w)
+
+
+@pytest.mark.meshes((2,), (2, 2))
+def test_torch_func_grad_of_global_ops_to_second_order(backend, mesh):
+    x, w = values((8, 6), 1), values((6, 4), 2)
+
+    def loss(v):
+        return F.softmax(torch.matmul(x, v).relu(), -1).square().sum()
+
+    first = torch.func.grad(loss)(w)
+    second = torch.func.grad(lambda v: torch.func.grad(loss)(v).sin().sum())(w)
+    for got_first, got_second in backend.run(job_func_grad, mesh.shape, mesh.names):
+        close(got_first, first)
+        close(got_second, second)
