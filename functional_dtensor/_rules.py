@@ -128,13 +128,21 @@ def matmul(call: Call) -> list[Option]:
 
 
 #: the Partial a sharded reduced dim leaves, per reduction (None: the dim must be whole)
-_PARTIAL_OF = {"sum": SUM, "mean": SUM, "amax": Partial("max"), "amin": Partial("min"), "prod": None}
+_PARTIAL_OF = {
+    "sum": SUM,
+    "mean": SUM,
+    "amax": Partial("max"),
+    "amin": Partial("min"),
+    "prod": None,
+    "whole": None,
+}
 
 
 def reduction(call: Call) -> list[Option]:
     """A reduction over ``params = (kind, dims, keepdim)``: a reduced dim may be sharded where
-    the kind leaves a Partial (``sum`` and ``mean``: sum; ``amax``: max; ``amin``: min), the
-    others stay sharded; a ``Partial(sum)`` input stays one for ``sum`` and ``mean``."""
+    the kind leaves a Partial (``sum`` and ``mean``: sum; ``amax``: max; ``amin``: min; not
+    ``prod``, nor ``whole``: a reduction that needs its dims whole), the others stay sharded;
+    a ``Partial(sum)`` input stays one for ``sum`` and ``mean``."""
     kind, dims, keepdim = call.params
     (shape,) = [s for s in call.shapes if s is not None]
     options = [Option((R,), R)]

@@ -208,16 +208,18 @@ def _reduction(kind: str):
         grad = kind in ("amax", "amin") and tensors[0].requires_grad and torch.is_grad_enabled()
         # under autograd a max over a sharded dim gathers it: only the device holding the max
         # may take its gradient
-        return (kind if not grad else "prod", _dims(dim, tensors[0].ndim), bool(keepdim))
+        dims = _dims(dim, tensors[0].ndim)
+        negative = tuple([d - tensors[0].ndim for d in dims])
+        return ("whole" if grad else kind, dims, bool(keepdim), negative)
 
     def local(func, args, kwargs, ctx):
         storage = args[0]
-        _, dims, keepdim = ctx.decision.call.params
+        _, dims, keepdim, negative = ctx.decision.call.params
+        dtype = kwargs.get("dtype")  # keyword-only in every reduction
+        if kind == "sum" and negative:
+            return torch.sum(storage, dim=negative, keepdim=keepdim, dtype=dtype)
         shape = ctx.decision.call.shapes[0]
         layout = ctx.decision.inputs[0]
-        negative = [d - len(shape) for d in dims]
-        dtypes = [a for a in args[1:] if isinstance(a, torch.dtype)]
-        dtype = kwargs.get("dtype", dtypes[0] if dtypes else None)
         if kind in ("amax", "amin", "prod") and ctx.lead and not shard_table(layout, shape).is_even:
             identity = {"amax": -math.inf, "amin": math.inf, "prod": 1}[kind]
             if not storage.is_floating_point() and kind != "prod":
@@ -256,7 +258,7 @@ def _valid(layout, shape, storage):
 
 
 def _reduction_rule(call):
-    kind, dims, keepdim = call.params
+    kind, dims, keepdim, _ = call.params
     return rules.reduction(call._replace(params=(kind, dims, keepdim)))
 
 
