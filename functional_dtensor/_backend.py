@@ -160,10 +160,13 @@ class Backend:
         if torch.compiler.is_compiling() or comm_log.active():
             mesh = source.mesh
             nbytes = math.prod(shard_table(source, shape).padded_shape) * storage.element_size()
-            for name, placement in zip(mesh.axis_names, source.placements):
+            moving = [
+                (n, p) for n, p, size in zip(mesh.axis_names, source.placements, mesh.shape) if size > 1
+            ]
+            for name, placement in moving:  # an axis of one device moves nothing
                 if isinstance(placement, Partial):
                     self.count_bytes("all_reduce", (name,), nbytes)
-            sharding = tuple([n for n, p in zip(mesh.axis_names, source.placements) if isinstance(p, Shard)])
+            sharding = tuple([n for n, p in moving if isinstance(p, Shard)])
             if sharding:
                 self.count_bytes("all_gather", sharding, nbytes)
         return self._storage.distribute(self._storage.gather(storage, source, shape), target)

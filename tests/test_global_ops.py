@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from backends import per_device
 from common import check
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
 from functional_dtensor import _global_ops
+from functional_dtensor._plan import step_bytes
 from functional_dtensor.testing import strategies as fds
 
 S, R = fd.Shard, fd.Replicate()
@@ -575,3 +576,57 @@ def test_torch_func_grad_of_global_ops_to_second_order(backend, mesh):
     for got_first, got_second in backend.run(job_func_grad, mesh.shape, mesh.names):
         close(got_first, first)
         close(got_second, second)
+
+
+@given(data=st.data(), op=st.sampled_from(["matmul", "add", "sum"]))
+def test_the_collectives_that_run_are_the_planned_ones(data, op):
+    """Every collective a global op runs is one of the steps its decision planned (fd.explain)."""
+    (la, lb) = data.draw(layouts_for([(6, 4), (4, 6) if op == "matmul" else (6, 4)]))
+    lb = fd.Layout(la.mesh, lb.placements, lb.shard_order)
+    a = fd.distribute_tensor(values((6, 4), 1), la.mesh, la)
+    b = fd.distribute_tensor(values((4, 6) if op == "matmul" else (6, 4), 2), la.mesh, lb)
+    func, args = {"matmul": (torch.matmul, (a, b)), "add": (torch.add, (a, b)), "sum": (torch.sum, (a,))}[op]
+    report = fd.explain(func, *args)
+    with fd.CommDebugMode() as comm:
+        func(*args)
+    shapes = [tuple(t.shape) for t in args]
+    planned = [  # the steps that move bytes (a regather of a replicated value slices locally)
+        s.collective
+        for steps, shape in zip(report.steps, shapes)
+        for s in steps
+        if s.collective and step_bytes(s, shape, 4) > 0
+    ]
+    assert sorted(e.op for e in comm.events) == sorted(
+        op for c in planned for op in (["all_reduce", "all_gather"] if c == "all_reduce+all_gather" else [c])
+    ) or len(comm.events) == len(planned)
+
+
+def job_drawn(mesh, spec_a, spec_b):
+    a = fd.distribute_tensor(values((8, 4), 1), mesh, spec_a)
+    b = fd.distribute_tensor(values((4, 8), 2), mesh, spec_b)
+    c = torch.matmul(a, b)
+    d = torch.add(c, a.sum(1, keepdim=True)).amax(0)
+    return {"c": list(c.local_shards()), "d": list(d.local_shards())}
+
+
+@st.composite
+def two_specs(draw, mesh_shape):
+    mesh = fd.simulated_mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
+    return draw(fds.specs(mesh, 2)), draw(fds.specs(mesh, 2))
+
+
+@pytest.mark.meshes((2,), (4,), (2, 2))
+def test_drawn_layouts_give_the_simulated_shards_on_gloo(backend, mesh):
+    if backend.is_simulated:
+        pytest.skip("the simulated backend is the reference here")
+
+    @settings(max_examples=8)
+    @given(specs=two_specs(mesh.shape))
+    def check_case(specs):
+        results = backend.run(job_drawn, mesh.shape, mesh.names, *specs)
+        expected = job_drawn(mesh.simulated(), *specs)
+        for name in ("c", "d"):
+            for got, want in zip(per_device(results, name), expected[name]):
+                close(got, want)
+
+    check_case()
