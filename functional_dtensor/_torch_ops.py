@@ -137,6 +137,9 @@ def _matmul_local(func, args, kwargs, ctx):
     if ctx.lead and a.dim() != b.dim():  # align batch dims after the device dim
         ndim = len(ctx.decision.out_shapes[0])
         a, b = [x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b)]
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:  # one matrix per device
+        # the same products: a contraction of length one is a broadcast product (one kernel)
+        return a * b if a.shape[-1] == 1 else torch.bmm(a, b)
     return torch.matmul(a, b)
 
 
