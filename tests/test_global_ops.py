@@ -35,9 +35,12 @@ def close(got, expected):
 
 
 @st.composite
-def layouts_for(draw, shapes, max_devices=8):
+def layouts_for(draw, shapes, max_devices=8, allow_partial=False):
     mesh = draw(fds.meshes(max_dims=3, max_devices=max_devices))
-    return [draw(fds.layouts(mesh, len(shape))) for shape in shapes]
+    return [
+        draw(fds.layouts(mesh, len(shape), allow_partial=allow_partial, partial_ops=("sum", "avg")))
+        for shape in shapes
+    ]
 
 
 # --- elementwise ---------------------------------------------------------------------------------
@@ -56,7 +59,7 @@ def broadcast_pairs(draw):
 @given(pair=broadcast_pairs(), data=st.data(), op=st.sampled_from(BINARY))
 def test_binary_elementwise_with_broadcasting(pair, data, op):
     shape, other = pair
-    lx, ly = data.draw(layouts_for([shape, other]))
+    lx, ly = data.draw(layouts_for([shape, other], allow_partial=True))
     ly = fd.Layout(lx.mesh, ly.placements, ly.shard_order)
     x, y = values(shape, 1), values(other, 2)
     tx, dx = spread(x, lx, True)
@@ -111,7 +114,7 @@ def test_partial_values_stay_partial_where_the_op_is_linear():
 )
 def test_matmul_values_and_gradients(m, k, n, batch, data):
     a_shape, b_shape = (*batch, m, k), (*batch[len(batch) // 2 :], k, n)
-    la, lb = data.draw(layouts_for([a_shape, b_shape]))
+    la, lb = data.draw(layouts_for([a_shape, b_shape], allow_partial=True))
     lb = fd.Layout(la.mesh, lb.placements, lb.shard_order)
     a, b = values(a_shape, 4), values(b_shape, 5)
     ta, da = spread(a, la, True)
@@ -170,7 +173,7 @@ REDUCTIONS = ["sum", "mean", "amax", "amin", "prod"]
     kind=st.sampled_from(REDUCTIONS),
 )
 def test_reductions_over_dims_or_all(shape, data, kind):
-    (layout,) = data.draw(layouts_for([shape]))
+    (layout,) = data.draw(layouts_for([shape], allow_partial=True))
     dims = data.draw(
         st.one_of(
             st.none(), st.lists(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape), unique=True)
@@ -213,7 +216,7 @@ def test_reductions_leave_partial_where_dtensor_does():
 
 @given(shape=fds.global_shapes(2, 3, min_side=1, max_side=6, max_elements=150), data=st.data())
 def test_views(shape, data):
-    (layout,) = data.draw(layouts_for([shape]))
+    (layout,) = data.draw(layouts_for([shape], allow_partial=True))
     x = values(shape, 7)
     leaf, d = spread(x, layout, True)
     programs = [
