@@ -28,7 +28,7 @@ import torch
 
 from ._philox import DIGITS, DRAW, MULTIPLIERS, POLYNOMIALS, ROUNDS, SQRT_STEPS, WEYL, rounded
 
-__all__ = ["available", "fill"]
+__all__ = ["available", "fill", "philox_fill"]
 
 _log = logging.getLogger("functional_dtensor.random")
 
@@ -292,3 +292,44 @@ def _cut(starts, offsets, lengths, most: int):
     first = torch.repeat_interleave(torch.cumsum(pieces, 0) - pieces, pieces)
     step = (torch.arange(len(run)) - first) * most
     return starts[run] + step, offsets[run] + step, torch.clamp(lengths[run] - step, max=most)
+
+
+# --- a draw per device under the simulated mesh's vmap -----------------------------------------
+
+_BUFFERS = {
+    "uniform32": torch.float32,
+    "uniform64": torch.float64,
+    "normal32": torch.float32,
+    "normal64": torch.float64,
+    "bernoulli": torch.bool,
+    "randint": torch.int64,
+}
+
+
+def _extra(kind: str, p: float, a: int, b: int) -> tuple:
+    return {"uniform32": (a,), "bernoulli": (p,), "randint": (a, b)}.get(kind, ())
+
+
+@torch.library.custom_op("functional_dtensor::philox_fill", mutates_args=())
+def philox_fill(key: torch.Tensor, shape: list[int], kind: str, p: float, a: int, b: int) -> torch.Tensor:
+    """Draw ``kind`` for the indices ``0 ... prod(shape) - 1`` under ``key`` (the fused kernel as
+    an op, so that a vmap over keys, such as the simulated mesh's over devices, draws each
+    key's values with it: see its vmap rule)."""
+    n = math.prod(shape)
+    out = torch.empty(n, dtype=_BUFFERS[kind])
+    k0, k1 = (int(w) & 0xFFFFFFFF for w in key.tolist())
+    runs = torch.tensor([0]), torch.tensor([0]), torch.tensor([n])
+    return fill(kind, (k0, k1), *runs, out, *_extra(kind, p, a, b)).view(shape)
+
+
+@philox_fill.register_fake
+def _(key, shape, kind, p, a, b):
+    return key.new_empty(shape, dtype=_BUFFERS[kind])
+
+
+@philox_fill.register_vmap
+def _(info, in_dims, key, shape, kind, p, a, b):
+    if in_dims[0] is None:
+        return philox_fill(key, shape, kind, p, a, b), None
+    keys = key.movedim(in_dims[0], 0)
+    return torch.stack([philox_fill(k, shape, kind, p, a, b) for k in keys]), 0

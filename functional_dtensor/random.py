@@ -256,6 +256,22 @@ class _Draw:
             and _philox_native.available()
         )
 
+    def per_key(self, key: torch.Tensor, shape: tuple[int, ...], device) -> torch.Tensor | None:
+        """A local draw with a key that a vmap maps (the simulated mesh's over devices): the
+        fused kernel once per key, through its op's vmap rule; None where it cannot run."""
+        if not (
+            device.type == "cpu"
+            and key.device.type == "cpu"
+            and self.extra is not None
+            and not torch.compiler.is_compiling()
+            and functorch.is_transformed(key)
+            and _philox_native.available()
+        ):
+            return None
+        p = self.extra[0] if self.native == "bernoulli" else 0.0
+        a, b = (self.extra + (0, 0))[:2] if self.native in ("uniform32", "randint") else (0, 0)
+        return self.finish(_philox_native.philox_fill(key, list(shape), self.native, p, int(a), int(b)))
+
     def boxes(self, key: torch.Tensor, boxes, shape, padded, device) -> torch.Tensor:
         """``(len(boxes), *padded)``: box ``b`` (offset, local shape) drawn into block ``b``;
         padding zero."""
@@ -282,7 +298,9 @@ class _Draw:
 
 def _local(draw: _Draw, key: torch.Tensor, shape: tuple[int, ...], device) -> torch.Tensor:
     device = key.device if device is None else torch.device(device)
-    out = draw.boxes(key, [((0,) * len(shape), shape)], shape, shape, device)[0]
+    out = draw.per_key(key, shape, device)
+    if out is None:
+        out = draw.boxes(key, [((0,) * len(shape), shape)], shape, shape, device)[0]
     return tag(out, axes_varying(key))
 
 
