@@ -395,3 +395,29 @@ def test_python_scalars_are_zero_dim_values_with_spec_P(backend, mesh, check_rep
         assert torch.equal(got["y"], want_y.detach()) and torch.equal(got["total"], want_total.detach()), p
         assert torch.equal(got["constant"], torch.tensor(2.5)) and got["shapes"] == ((), ()), p
         assert torch.equal(got["grad"], want_grad), p
+
+
+def test_attention_inside_shard_map_is_batched_over_the_devices():
+    """torch has no vmap rule for scaled_dot_product_attention (it would loop over the devices
+    and warn): the device dim folds into its batch dims, values and gradients unchanged."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    q, k, v = (torch.randn(4, 4, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.rand(6, 6, generator=torch.Generator().manual_seed(0)) > 0.3
+    cases = [
+        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), fd.P("dp", "tp")),
+        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), fd.P(None, "tp")),
+    ]
+    for attention, spec in cases:
+        mapped = fd.shard_map(attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "performance drop" fallback
+            out = mapped(q, k, v).full_tensor()
+        expected = attention(q, k, v)
+        torch.testing.assert_close(out, expected)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v))):
+            torch.testing.assert_close(got, want)

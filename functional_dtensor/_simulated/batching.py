@@ -7,6 +7,9 @@ column-split weight is a view of it), the rule runs that one matmul and views it
 device. Functorch's rule instead runs ``x`` against a batch of blocks, whose 2-D @ 3-D matmul
 transposes its result into a copy; its backward copies again.
 
+``scaled_dot_product_attention`` has no batching rule in torch (it would run once per device,
+with a warning): its rule runs it once, the device dim leading as one more batch dim.
+
 Each rule in :data:`RULES` takes the device vmap level and the op's arguments (the device level
 the innermost transform) and returns the batched result, or ``None`` where it does not apply.
 """
@@ -51,7 +54,59 @@ def _mm(level, args, kwargs):
     return _replicated_times_blocks(level, args, kwargs, matrix_only=True)
 
 
+def _attention(level, args, kwargs):
+    """``scaled_dot_product_attention`` of device-batched values (torch has no batching rule for
+    it and would loop over the devices): the device dim leads as one more batch dim."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args)) | kwargs
+    if bound.get("dropout_p", 0.0) or not all([isinstance(bound.get(n), torch.Tensor) for n in names[:3]]):
+        return None
+    tensors = [n for n in names[:4] if isinstance(bound.get(n), torch.Tensor)]
+    levels = [level_of(bound[n]) for n in tensors]
+    if level not in levels or max(levels) > level:
+        return None
+    below, dim = unwrap_batched(bound[tensors[levels.index(level)]], level)
+    size = below.shape[dim]
+
+    def lead(x):  # the value below the vmap, the device dim first
+        if level_of(x) == level:
+            below, dim = unwrap_batched(x, level)
+            if dim is not None:
+                return below.movedim(dim, 0)
+            x = below
+        return x.expand(size, *x.shape)
+
+    def run():
+        inputs = {n: lead(bound[n]) for n in tensors}
+        query = inputs["query"]
+        mask, ndim = inputs.get("attn_mask"), query.dim()
+        if mask is not None:  # broadcast against (devices, ..., L, S)
+            mask = mask.reshape(mask.shape[0], *[1] * (ndim - mask.dim()), *mask.shape[1:])
+            inputs["attn_mask"] = mask.expand(*query.shape[:-2], *mask.shape[-2:])
+        fold = _fold_dim(query) if ndim > 4 else None  # torch's fused kernels take 4 dims
+        if fold is not None:
+            inputs = {n: x.movedim(0, fold).flatten(fold, fold + 1) for n, x in inputs.items()}
+        rest = {n: v for n, v in bound.items() if n not in inputs}
+        out = torch.nn.functional.scaled_dot_product_attention(**inputs, **rest)
+        if fold is None:
+            return out
+        return out.unflatten(fold, (query.shape[0], query.shape[fold + 1])).movedim(fold, 0)
+
+    return add_batch_dim(below_current_level(run), 0, level)
+
+
+def _fold_dim(x: torch.Tensor) -> int:
+    """The batch dim (0 or 1, of one device's value) that the device dim folds into: where the
+    two make one dim of the storage without a copy (the heads, for a value split over them)."""
+    for dim in (1, 0):
+        moved = x.movedim(0, dim)
+        if moved.stride(dim) == moved.stride(dim + 1) * moved.shape[dim + 1]:
+            return dim
+    return 0
+
+
 RULES = {
+    torch.nn.functional.scaled_dot_product_attention: _attention,
     torch.matmul: _matmul,
     torch.Tensor.matmul: _matmul,
     torch.Tensor.__matmul__: _matmul,
