@@ -46,6 +46,7 @@ __all__ = [
     "register",
     "register_sharding",
     "dispatch",
+    "resolved",
     "decide",
     "decision_for",
     "unsupported",
@@ -59,12 +60,18 @@ class Handler(NamedTuple):
     """How one op runs on ``fd.DTensor``: ``rule(call)`` its options per mesh axis (None: the op
     is a composite, ``local(func, args, kwargs, None)`` runs it on global values);
     ``params(args, kwargs, tensors)`` the rule's own arguments (hashable); ``local(func, args,
-    kwargs, ctx)`` the op on storage, ``args`` holding the inputs' storages."""
+    kwargs, ctx)`` the op on storage, ``args`` holding the inputs' storages. ``by_value``:
+    whether the decision depends on the values of Python numbers among the arguments (dims,
+    sizes); an elementwise op's depends only on their types (``x * lr`` is decided once)."""
 
     rule: rules.Rule | None
     params: Callable
     local: Callable
     name: str
+    by_value: bool = True
+
+
+_NUMBERS = (int, float, bool)
 
 
 _HANDLERS: dict[Callable, Handler] = {}
@@ -81,10 +88,6 @@ def register(funcs: Sequence[Callable | None], handler: Handler) -> None:
             if func not in _FUNC_IDS:
                 _FUNC_IDS[func] = len(_FUNCS)
                 _FUNCS.append(func)
-
-
-def handler_of(func) -> Handler | None:
-    return _HANDLERS.get(func)
 
 
 # --- the decision -----------------------------------------------------------------------------
@@ -264,15 +267,32 @@ def _key_of(value):
 _FLAT = frozenset([DTensor, int, float, bool, type(None), torch.dtype, str])  # hashable as they are
 
 
-def dispatch(func, args, kwargs):
-    """``func(*args, **kwargs)`` where some arguments are ``fd.DTensor``."""
-    handler = _HANDLERS.get(func)
+def _is_flat(args) -> bool:
+    """Whether positional ``args`` are leaves as they are: values of :data:`_FLAT` types, or
+    sizes (a tuple of ints, as ``x.unflatten(1, (2, 4))`` takes)."""
+    for a in args:
+        if type(a) not in _FLAT and not (isinstance(a, tuple) and all([type(n) is int for n in a])):
+            return False
+    return True
+
+
+def resolved(func) -> tuple[Handler, int]:
+    """A registered function's handler and number, looked up once (for a method installed on
+    ``fd.DTensor``: Dynamo does not find a Python-defined function such as ``Tensor.norm`` in a
+    dictionary keyed by functions)."""
+    return _HANDLERS[func], _FUNC_IDS[func]
+
+
+def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
+    """``func(*args, **kwargs)`` where some arguments are ``fd.DTensor`` (``found``: its
+    :func:`resolved` handler and number, where known)."""
+    handler = _HANDLERS.get(func) if found is None else found[0]
     if handler is None:
         raise unsupported(func)
     if handler.rule is None:  # a composite of global ops, or an op on global values
         return handler.local(func, args, kwargs or {}, None)
-    if kwargs or torch.compiler.is_compiling() or not all([type(a) in _FLAT for a in args]):
-        return _dispatch_tree(func, handler, args, kwargs or {})
+    if kwargs or torch.compiler.is_compiling() or not _is_flat(args):
+        return _dispatch_tree(func, handler, args, kwargs or {}, found)
     # the common case, flat arguments: one pass builds the key and the local arguments
     key = [func]
     local = []
@@ -282,7 +302,7 @@ def dispatch(func, args, kwargs):
             key += (layout, shape, storage.dtype)
             local.append(storage)
         else:
-            key.append(value)
+            key.append(value if handler.by_value or type(value) not in _NUMBERS else type(value))
             local.append(value)
     decision = _DECISIONS.get(tuple(key))
     if decision is None or not decision.direct or torch.is_grad_enabled() and decision.pvary_any:
@@ -302,18 +322,18 @@ def _wrap(out, decision: Decision):
     return type(out)(*values) if hasattr(out, "_fields") else type(out)(values)
 
 
-def _dispatch_tree(func, handler: Handler, args, kwargs):
+def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     """Any call: its arguments flattened as a pytree; redistributes and ``pvary`` where the
     decision needs them."""
-    flat = not kwargs and all([type(a) in _FLAT for a in args])
+    flat = not kwargs and _is_flat(args)
+    if torch.compiler.is_compiling() and not flat:  # decided outside the graph, from constants
+        raise unsupported_while_compiling(handler.name)
     if flat:
         leaves, tree = args, None
     else:
         leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
     tensors = [v for v in leaves if type(v) is DTensor]
-    if torch.compiler.is_compiling():  # decided outside the graph, from constants
-        if tree is not None:
-            raise unsupported_while_compiling(handler.name)
+    if torch.compiler.is_compiling():
         spec = tuple(
             [
                 ("fd.DTensor", layout_key(v.layout), tuple(v.shape), str(v.dtype), v.requires_grad)
@@ -322,12 +342,15 @@ def _dispatch_tree(func, handler: Handler, args, kwargs):
                 for v in leaves
             ]
         )
-        decision = _rebuilt(_decision_key(_decision_index(_FUNC_IDS[func], spec)))
+        func_id = _FUNC_IDS[func] if found is None else found[1]
+        decision = _rebuilt(_decision_key(_decision_index(func_id, spec)))
     else:
         key = [func] if flat else [func, tree]
         for value in leaves:
             if type(value) is DTensor:
                 key += (value.layout, value.shape, storage_of(value).dtype)
+            elif not handler.by_value and type(value) in _NUMBERS:
+                key.append(type(value))
             else:
                 key.append(value if flat else _key_of(value))
         key = tuple(key)

@@ -19,7 +19,7 @@ from ._blocks import valid_mask
 from ._dtensor import DTensor, distribute_tensor, from_local, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
 from ._factories import empty, full, ones, zeros
-from ._global_ops import Handler, dispatch, register
+from ._global_ops import Handler, dispatch, register, resolved
 from ._placements import Replicate, Shard
 from ._sharding import shard_table
 
@@ -72,9 +72,9 @@ _BINARY = (
 ).split()
 
 for _name in _UNARY + _BINARY:
-    register(_functions(_name), Handler(rules.elementwise, _none, _elementwise_local, _name))
+    register(_functions(_name), Handler(rules.elementwise, _none, _elementwise_local, _name, False))
 for _name in ("add", "sub", "subtract", "neg", "negative"):
-    register(_functions(_name), Handler(rules.linear, _none, _elementwise_local, _name))
+    register(_functions(_name), Handler(rules.linear, _none, _elementwise_local, _name, False))
 
 
 def _product(call):
@@ -87,11 +87,11 @@ def _product(call):
 
 
 for _name in ("mul", "multiply"):
-    register(_functions(_name), Handler(_product, _none, _elementwise_local, _name))
+    register(_functions(_name), Handler(_product, _none, _elementwise_local, _name, False))
 for _name in ("div", "divide", "true_divide"):
     register(
         _functions(_name),
-        Handler(lambda call: rules.elementwise(call, partial=(0,)), _none, _elementwise_local, _name),
+        Handler(lambda call: rules.elementwise(call, partial=(0,)), _none, _elementwise_local, _name, False),
     )
 
 
@@ -177,16 +177,16 @@ register(
 def _linear(func, args, kwargs, ctx):
     x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    out = torch.matmul(x, weight.t())
-    return out if bias is None else out + bias
+    out = torch.matmul(x, torch.t(weight))  # torch functions, not operators: they compile
+    return out if bias is None else torch.add(out, bias)
 
 
 def _addmm(func, args, kwargs, ctx):
     bias, a, b = args[:3]
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     out = torch.matmul(a, b)
-    out = out if alpha == 1 else out * alpha
-    return out + (bias if beta == 1 else bias * beta)
+    out = out if alpha == 1 else torch.mul(out, alpha)
+    return torch.add(out, bias if beta == 1 else torch.mul(bias, beta))
 
 
 register([F.linear], Handler(None, _none, _linear, "linear"))
@@ -342,12 +342,9 @@ def _norm(func, args, kwargs, ctx):
             if dim is not None
             else torch.amax(torch.abs(x))
         )
-    total = (
-        torch.sum(torch.abs(x) ** p, dim=dim, keepdim=keepdim)
-        if dim is not None
-        else torch.sum(torch.abs(x) ** p)
-    )
-    return total ** (1.0 / p)
+    powers = torch.pow(torch.abs(x), p)
+    total = torch.sum(powers, dim=dim, keepdim=keepdim) if dim is not None else torch.sum(powers)
+    return torch.pow(total, 1.0 / p)
 
 
 register([torch.norm, torch.Tensor.norm], Handler(None, _none, _norm, "norm"))
@@ -704,8 +701,10 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
 
 
 def _method(func):
+    found = resolved(func)
+
     def method(self, *args, **kwargs):
-        return dispatch(func, (self, *args), kwargs)
+        return dispatch(func, (self, *args), kwargs, found)
 
     method.__name__ = getattr(func, "__name__", "method")
     method.__doc__ = f"``torch.Tensor.{method.__name__}`` on the global value (see Global operations)."
@@ -815,20 +814,20 @@ def _cross_entropy(func, args, kwargs, ctx):
         )
     dim = 1 if logits.ndim > 1 else 0
     classes = logits.shape[dim]
-    shifted = logits - logits.detach().amax(dim, keepdim=True)
-    log_probs = shifted - shifted.exp().sum(dim, keepdim=True).log()
+    shifted = torch.sub(logits, logits.detach().amax(dim, keepdim=True))
+    log_probs = torch.sub(shifted, shifted.exp().sum(dim, keepdim=True).log())
     view = [1] * logits.ndim
     view[dim] = classes
     index = distribute_tensor(
         torch.arange(classes).view(view), logits.device_mesh, [Replicate()] * logits.device_mesh.ndim
     )
-    picked = (log_probs * (target.unsqueeze(dim) == index)).sum(dim)
-    keep = target != bound.get("ignore_index", -100)
-    losses = -(picked * keep)
+    picked = torch.mul(log_probs, torch.eq(target.unsqueeze(dim), index)).sum(dim)
+    keep = torch.ne(target, bound.get("ignore_index", -100))
+    losses = torch.neg(torch.mul(picked, keep))
     reduction = bound.get("reduction", "mean")
     if reduction == "none":
         return losses
-    return losses.sum() if reduction == "sum" else losses.sum() / keep.sum()
+    return losses.sum() if reduction == "sum" else torch.div(losses.sum(), keep.sum())
 
 
 register([F.cross_entropy], Handler(None, _none, _cross_entropy, "cross_entropy"))

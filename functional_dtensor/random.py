@@ -582,7 +582,7 @@ def default_key() -> torch.Tensor:
     return key(int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64)))
 
 
-def _factory(name: str, draw_for):
+def _factory(name: str, kind: str):
     def factory(
         *size: int | Sequence[int],
         mesh: DeviceMesh,
@@ -595,13 +595,13 @@ def _factory(name: str, draw_for):
         api = f"fd.{name}"
         check_mesh(mesh, f"{api}(device_mesh)")  # a factory makes a value on a mesh
         shape = global_shape(size, api)
-        draw = draw_for(_float_dtype(dtype, api))
+        draw = _Draw(kind, _float_dtype(dtype, api))
         key = default_key() if key is None else key
         return _generate(api, draw, key, shape, mesh, placements, device, requires_grad)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = (
-        f"A global value of shape ``size`` drawn as :func:`fd.random.{draw_for.__name__}` from ``key``, "
+        f"A global value of shape ``size`` drawn as :func:`fd.random.{kind}` from ``key``, "
         "materializing only local shards; the same values for every mesh and layout. Without a key, "
         "one is drawn from torch's default generator (``torch.manual_seed`` makes it reproducible). "
         "``device='meta'``: shapes and layout only, drawing nothing."
@@ -609,14 +609,5 @@ def _factory(name: str, draw_for):
     return factory
 
 
-def _uniform(dtype):
-    return _Draw("uniform", dtype)
-
-
-def _normal(dtype):
-    return _Draw("normal", dtype)
-
-
-_uniform.__name__, _normal.__name__ = "uniform", "normal"
-rand = _factory("rand", _uniform)
-randn = _factory("randn", _normal)
+rand = _factory("rand", "uniform")
+randn = _factory("randn", "normal")

@@ -477,6 +477,21 @@ def test_einsum(data, b, i, j, k):
     close(ty.grad, gy)
 
 
+def test_an_elementwise_op_is_decided_once_for_every_value_of_a_number():
+    """``x * lr`` with a new ``lr`` each step reuses its decision (numbers key it by type); a
+    reduction's dim keys its decision by value."""
+    mesh = fd.simulated_mesh(4, "x")
+    x = values((8, 4), 1)
+    d = fd.distribute_tensor(x, mesh, fd.P("x"))
+    before = len(_global_ops._DECISIONS)
+    for step in range(5):
+        close((d * (0.5 + step)).full_tensor(), x * (0.5 + step))
+        close(torch.add(d, step).full_tensor(), x + step)
+    assert len(_global_ops._DECISIONS) - before == 2
+    assert (fd.distribute_tensor(torch.arange(4), mesh, fd.P("x")) * 2.5).dtype == torch.float32
+    assert d.sum(0).placements != d.sum(1).placements  # decided per dim
+
+
 def test_redistribute_takes_torchs_form():
     mesh = fd.simulated_mesh(2, "x")
     d = fd.distribute_tensor(values((4, 4), 1), mesh, fd.P("x"))
@@ -530,8 +545,9 @@ def compiled_program(x, w1, w2, mesh):
     names = mesh.axis_names
     X = fd.distribute_tensor(x, mesh, fd.P(names[0]))
     h = torch.matmul(X, fd.distribute_tensor(w1, mesh, fd.P(None, names[-1]))).relu()
-    y = F.softmax(torch.matmul(h, fd.distribute_tensor(w2, mesh, fd.P(names[-1]))), -1)
-    return torch.add(y.square().sum(), h.mean()).full_tensor()
+    y = F.softmax(F.linear(h, fd.distribute_tensor(w2.t(), mesh, fd.P(None, names[-1]))), -1)
+    # composites (linear, norm) and a method defined in Python taking a size (unflatten)
+    return torch.add(torch.mul(y.square().sum(), h.norm()), h.unflatten(1, (2, 4)).mean()).full_tensor()
 
 
 def job_compiled(mesh):
