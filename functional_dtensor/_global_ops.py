@@ -325,11 +325,12 @@ def _wrap(out, decision: Decision):
 def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     """Any call: its arguments flattened as a pytree; redistributes and ``pvary`` where the
     decision needs them."""
-    flat = not kwargs and _is_flat(args)
+    flat = _is_flat(args) and _is_flat(kwargs.values())  # keywords of flat values too: dim=-1
     if torch.compiler.is_compiling() and not flat:  # decided outside the graph, from constants
         raise unsupported_while_compiling(handler.name)
+    names = tuple(kwargs)
     if flat:
-        leaves, tree = args, None
+        leaves, tree = (*args, *kwargs.values()), None
     else:
         leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
     tensors = [v for v in leaves if type(v) is DTensor]
@@ -343,9 +344,9 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
             ]
         )
         func_id = _FUNC_IDS[func] if found is None else found[1]
-        decision = _rebuilt(_decision_key(_decision_index(func_id, spec)))
+        decision = _rebuilt(_decision_key(_decision_index(func_id, names, spec)))
     else:
-        key = [func] if flat else [func, tree]
+        key = [func] if flat and not names else [func, names] if flat else [func, tree]
         for value in leaves:
             if type(value) is DTensor:
                 key += (value.layout, value.shape, storage_of(value).dtype)
@@ -367,8 +368,8 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
         storages.append(storage)
     feed = iter(storages)
     if tree is None:
-        local_args = [next(feed) if type(v) is DTensor else v for v in leaves]
-        local_kwargs = {}
+        local = [next(feed) if type(v) is DTensor else v for v in leaves]
+        local_args, local_kwargs = local[: len(args)], dict(zip(names, local[len(args) :]))
     else:
         mesh = decision.output.mesh
         local_args, local_kwargs = tree.unflatten(
@@ -382,18 +383,21 @@ _DECISION_INDEX: dict = {}
 
 
 @torch._dynamo.assume_constant_result
-def _decision_index(func_id: int, spec: tuple) -> int:
+def _decision_index(func_id: int, names: tuple[str, ...], spec: tuple) -> int:
     """The decision of a flat call described by constants (a DTensor by its layout's key,
-    shape, dtype and whether it needs a gradient), made eagerly while Dynamo traces."""
+    shape, dtype and whether it needs a gradient; the last ``len(names)`` items keywords),
+    made eagerly while Dynamo traces."""
     func = _FUNCS[func_id]
-    index = _DECISION_INDEX.get((func, spec))
+    index = _DECISION_INDEX.get((func, names, spec))
     if index is None:
-        args = tuple([_constant_arg(item) for item in spec])
-        tensors = [a for a in args if type(a) is DTensor]
+        leaves = [_constant_arg(item) for item in spec]
+        split = len(leaves) - len(names)
+        args, kwargs = tuple(leaves[:split]), dict(zip(names, leaves[split:]))
+        tensors = [a for a in leaves if type(a) is DTensor]
         handler = _HANDLERS[func]
-        _check_values(handler.name, args, tensors)
-        index = _DECISION_INDEX[(func, spec)] = len(_DECISION_LIST)
-        _DECISION_LIST.append(decide(func, handler, args, {}, tensors))
+        _check_values(handler.name, leaves, tensors)
+        index = _DECISION_INDEX[(func, names, spec)] = len(_DECISION_LIST)
+        _DECISION_LIST.append(decide(func, handler, args, kwargs, tensors))
     return index
 
 
@@ -454,9 +458,8 @@ def unsupported_while_compiling(name: str) -> FunctionalDTensorError:
     return FunctionalDTensorError(
         explain(
             f"torch.{name} (under torch.compile)",
-            "a call with nested arguments (lists, slices, keyword arguments) is decided outside "
-            "the graph only in eager mode",
-            expected="tensors and numbers as positional arguments",
+            "a call with nested arguments (lists, slices) is decided outside the graph only in eager mode",
+            expected="values, numbers, dtypes and sizes as arguments",
             got="nested arguments",
             fix="call it outside the compiled function, or inside fd.shard_map / fd.local_map",
         )

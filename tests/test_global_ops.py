@@ -545,7 +545,7 @@ def compiled_program(x, w1, w2, mesh):
     names = mesh.axis_names
     X = fd.distribute_tensor(x, mesh, fd.P(names[0]))
     h = torch.matmul(X, fd.distribute_tensor(w1, mesh, fd.P(None, names[-1]))).relu()
-    y = F.softmax(F.linear(h, fd.distribute_tensor(w2.t(), mesh, fd.P(None, names[-1]))), -1)
+    y = F.softmax(F.linear(h, fd.distribute_tensor(w2.t(), mesh, fd.P(None, names[-1]))), dim=-1)
     # composites (linear, norm) and a method defined in Python taking a size (unflatten)
     return torch.add(torch.mul(y.square().sum(), h.norm()), h.unflatten(1, (2, 4)).mean()).full_tensor()
 
