@@ -42,6 +42,19 @@ from ._global_ops import register_sharding
 from ._layout import Layout
 from ._local_map import local_map
 from ._mesh import DeviceMesh, simulated_mesh
+from ._optim import Optimizer, clip_grad_norm
+from ._parallelize import (
+    ColwiseParallel,
+    FullyShard,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    ReplicateParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    ShardedModule,
+    distribute_module,
+    parallelize_module,
+)
 from ._placements import Partial, Placement, Replicate, Shard
 from ._redistribute import redistribute  # installs DTensor.redistribute
 from ._shard_map import shard_map
@@ -101,4 +114,16 @@ __all__ = [
     "redistribute",
     "simulated_mesh",
     "zeros",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "ReplicateParallel",
+    "FullyShard",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "ShardedModule",
+    "parallelize_module",
+    "distribute_module",
+    "Optimizer",
+    "clip_grad_norm",
 ]

@@ -62,13 +62,17 @@ class Handler(NamedTuple):
     ``params(args, kwargs, tensors)`` the rule's own arguments (hashable); ``local(func, args,
     kwargs, ctx)`` the op on storage, ``args`` holding the inputs' storages. ``by_value``:
     whether the decision depends on the values of Python numbers among the arguments (dims,
-    sizes); an elementwise op's depends only on their types (``x * lr`` is decided once)."""
+    sizes); an elementwise op's depends only on their types (``x * lr`` is decided once).
+    ``valid(call, mesh, combination)``: whether a combination of options (one per mesh axis)
+    holds on this mesh, where the rule's options alone cannot tell (a view that splits a
+    sharded dim needs the devices along it to divide the dim's first part)."""
 
     rule: rules.Rule | None
     params: Callable
     local: Callable
     name: str
     by_value: bool = True
+    valid: Callable | None = None
 
 
 _NUMBERS = (int, float, bool)
@@ -169,9 +173,15 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
     for axis in range(mesh.ndim):
         here = tuple(layout.placements[axis] for layout in current)
         fitting.append(next((o for o in options if o.inputs == here), None))
-    candidates = [tuple(fitting)] if all(fitting) else itertools.product(*[options] * mesh.ndim)
+    valid = handler.valid
+    if all(fitting) and (valid is None or valid(call, mesh, tuple(fitting))):
+        candidates = [tuple(fitting)]
+    else:
+        candidates = itertools.product(*[options] * mesh.ndim)
     best = None
     for combination in candidates:
+        if valid is not None and not valid(call, mesh, combination):
+            continue
         required = [Layout(mesh, tuple(o.inputs[i] for o in combination)) for i in range(len(tensors))]
         planned = [_steps(c, r, s, t.dtype) for c, r, s, t in zip(current, required, shapes, tensors)]
         cost = sum((c for _, c in planned), Fraction(0))

@@ -7,6 +7,7 @@ Importing this module registers the ops with :mod:`._global_ops` and gives ``fd.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -452,27 +453,52 @@ for _name in ("t", "transpose", "permute", "swapaxes", "swapdims"):
     register(_functions(_name), Handler(rules.permutation, _permutation_of(key), _permute_local, _name))
 
 
-def _view_pairs(args, kwargs, tensors):
-    return ()
+def _view_pairs_of(shape: tuple[int, ...], out: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``(input dim, output dim, divisor)`` for every input dim a view may keep sharded: the
+    shapes walked from the left in groups of dims with equal products; a dim kept as it is
+    (divisor 0), the first of dims merged into one, or one split into several with the shard on
+    the first part (divisor: that part's size, which the devices along the dim must divide)."""
+    if 0 in shape or 0 in out:
+        return ()
+    pairs = []
+    i = o = 0
+    while True:
+        while i < len(shape) and shape[i] == 1:
+            i += 1
+        while o < len(out) and out[o] == 1:
+            o += 1
+        if i == len(shape) or o == len(out):
+            return tuple(pairs)
+        ins, outs, size_in, size_out = [i], [o], shape[i], out[o]
+        i, o = i + 1, o + 1
+        while size_in != size_out:
+            if size_in < size_out:
+                ins.append(i)
+                size_in, i = size_in * shape[i], i + 1
+            else:
+                outs.append(o)
+                size_out, o = size_out * out[o], o + 1
+        if len(ins) == 1 or len(outs) == 1:
+            divisor = 0 if len(ins) == len(outs) else shape[ins[0]] if len(outs) == 1 else out[outs[0]]
+            pairs.append((ins[0], outs[0], divisor))
 
 
 def _reshape_rule(call):
-    """Dims a view keeps as they are (neither merged nor split) may stay sharded: walking both
-    shapes from the left, a dim of the same size where the sizes before it agree."""
-    shape, out = call.shapes[0], call.out_shape
-    pairs = []
-    i = o = 0
-    size_in = size_out = 1  # the elements before dims i and o
-    while i < len(shape) and o < len(out):
-        if size_in == size_out and shape[i] == out[o]:
-            if shape[i] > 1:
-                pairs.append((i, o))
-            size_in, size_out, i, o = size_in * shape[i], size_out * out[o], i + 1, o + 1
-        elif size_in * shape[i] <= size_out * out[o]:
-            size_in, i = size_in * shape[i], i + 1
-        else:
-            size_out, o = size_out * out[o], o + 1
-    return rules.reshape(call._replace(params=(tuple(pairs),)))
+    """Dims a view keeps (neither merged nor split), the first of dims it merges, and a dim it
+    splits (the shard going to the first part) may stay sharded."""
+    pairs = _view_pairs_of(call.shapes[0], call.out_shape)
+    return rules.reshape(call._replace(params=(tuple((i, o) for i, o, _ in pairs),)))
+
+
+def _reshape_valid(call, mesh, combination) -> bool:
+    """A merged or split dim's first part must split evenly over the devices sharding it."""
+    for in_dim, _, divisor in _view_pairs_of(call.shapes[0], call.out_shape):
+        if divisor:
+            shard = Shard(in_dim)
+            devices = math.prod(n for n, o in zip(mesh.shape, combination) if o.inputs[0] == shard)
+            if divisor % devices:
+                return False
+    return True
 
 
 def _reshape_local(func, args, kwargs, ctx):
@@ -482,7 +508,7 @@ def _reshape_local(func, args, kwargs, ctx):
 
 
 for _name in ("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
-    register(_functions(_name), Handler(_reshape_rule, _none, _reshape_local, _name))
+    register(_functions(_name), Handler(_reshape_rule, _none, _reshape_local, _name, True, _reshape_valid))
 
 
 def _expand_local(func, args, kwargs, ctx):
@@ -721,6 +747,36 @@ def _reflected(func):
 def _backward(self, gradient=None, retain_graph=None, create_graph=False):
     """Backpropagate from this value (its global value, as ``tensor.backward``)."""
     self.full_tensor().backward(gradient, retain_graph=retain_graph, create_graph=create_graph)
+
+
+def _autograd_grad(func, args, kwargs, ctx):
+    """``torch.autograd.grad`` where outputs or inputs are ``fd.DTensor``: from the outputs'
+    global values to the inputs' storages; each gradient laid out like its input (Partial axes
+    as Replicate), as :attr:`fd.DTensor.grad`."""
+    bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
+    arguments = bound.arguments
+    outputs, inputs = arguments["outputs"], arguments["inputs"]
+    single = not isinstance(inputs, (tuple, list))
+    inputs = [inputs] if single else list(inputs)
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    grad_outputs = arguments.get("grad_outputs")
+    if grad_outputs is not None:
+        grad_outputs = list(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else [grad_outputs]
+        grad_outputs = [g.full_tensor() if type(g) is DTensor else g for g in grad_outputs]
+    arguments.update(
+        outputs=[o.full_tensor() if type(o) is DTensor else o for o in outputs],
+        inputs=[storage_of(i) if type(i) is DTensor else i for i in inputs],
+        grad_outputs=grad_outputs,
+    )
+    grads = func(**arguments)
+    out = tuple(
+        DTensor(g, without_partial(i.layout), i.shape) if type(i) is DTensor and g is not None else g
+        for g, i in zip(grads, inputs)
+    )
+    return out
+
+
+register([torch.autograd.grad], Handler(None, _none, _autograd_grad, "autograd.grad"))
 
 
 def _item(self):

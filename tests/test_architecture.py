@@ -38,6 +38,8 @@ FLOORS = {
         "_local_map",
         "_global_ops",
         "_torch_ops",
+        "_parallelize",
+        "_optim",
     ],
     "tools": ["_explain", "_comm_debug", "testing.*", "_demo", "__init__", "__main__"],
 }

@@ -1,0 +1,303 @@
+"""Optimizer steps on sharded parameters: a stock ``torch.optim`` optimizer, functionally.
+
+:class:`Optimizer` wraps an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...). A
+step takes the parameters and their gradients (pytrees of ``fd.DTensor``, as
+:func:`fd.parallelize_module` and ``torch.autograd.grad`` give them) and returns **new**
+parameters: each device updates only the shards it holds, with no communication, and the
+optimizer's state (momenta, second moments) is held beside them, laid out the same way. The
+values passed in are not changed. On the simulated backend a block replicated over a mesh axis
+is updated once, not once per device.
+
+:func:`clip_grad_norm` scales gradients by their global norm (a reduction across shards: one
+all-reduce per distinct layout, not per parameter).
+
+>>> import torch, functional_dtensor as fd
+>>> mesh = fd.simulated_mesh(2, "x")
+>>> w = fd.ones(4, 2, mesh=mesh, placements=fd.P("x"), requires_grad=True)
+>>> opt = fd.Optimizer(torch.optim.SGD, {"w": w}, lr=0.5)
+>>> loss = (w * w).sum()
+>>> (g,) = torch.autograd.grad(loss, [w])
+>>> new = opt.step({"w": w}, {"w": g})
+>>> new["w"].full_tensor()[0].tolist(), w.full_tensor()[0].tolist()  # w is unchanged
+([0.0, 0.0], [1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import torch
+
+from ._backend import backend_of
+from ._dtensor import DTensor, new_value, storage_of
+from ._errors import InputTypeError, LayoutError, ShapeError, explain
+from ._placements import Partial, Replicate
+from ._public import public
+from ._redistribute import redistribute
+
+__all__ = ["Optimizer", "clip_grad_norm", "ELEMENTWISE"]
+
+NAMESPACE = "functional_dtensor"
+
+#: the torch.optim optimizers whose update of an element reads only that element's state
+ELEMENTWISE = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "Adagrad",
+    "Adadelta",
+    "RMSprop",
+    "Rprop",
+    "ASGD",
+)
+
+
+@public
+class Optimizer:
+    """A ``torch.optim`` optimizer over a pytree of ``fd.DTensor`` parameters, functionally:
+    ``new_params = opt.step(params, grads)``.
+
+    ``optimizer`` is the class (``torch.optim.AdamW``), ``options`` its keyword arguments
+    (``lr=1e-3``, ``weight_decay=0.1``). Its update must be elementwise (:data:`ELEMENTWISE`;
+    another optimizer is an error, as its update would differ on shards, unless
+    ``elementwise=True`` says it is). ``state_dict()`` gives the state as ``fd.DTensor`` laid
+    out like the parameters (for :mod:`fd.checkpoint`), ``load_state_dict`` takes it back
+    (redistributed to this optimizer's layouts).
+    """
+
+    def __init__(self, optimizer: type, params, /, *, elementwise: bool | None = None, **options) -> None:
+        where = "fd.Optimizer"
+        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+            raise InputTypeError(
+                explain(
+                    f"{where}(optimizer)",
+                    "the optimizer is a torch.optim class, made here over the shards",
+                    expected="a torch.optim.Optimizer subclass, e.g. torch.optim.AdamW",
+                    got=repr(optimizer),
+                    fix="pass the class and its options: fd.Optimizer(torch.optim.AdamW, params, lr=1e-3)",
+                )
+            )
+        if elementwise is None:
+            elementwise = optimizer.__name__ in ELEMENTWISE and optimizer.__module__.startswith("torch.optim")
+        if not elementwise:
+            raise InputTypeError(
+                explain(
+                    f"{where}(optimizer)",
+                    "each device updates only its shards, so the update must be elementwise",
+                    expected=f"one of torch.optim.{{{', '.join(ELEMENTWISE)}}}",
+                    got=f"{optimizer.__module__}.{optimizer.__name__}",
+                    fix="use an elementwise optimizer, or pass elementwise=True if this one is",
+                )
+            )
+        leaves, self._tree = optree.tree_flatten(params, none_is_leaf=True, namespace=NAMESPACE)
+        paths = optree.tree_paths(params, none_is_leaf=True, namespace=NAMESPACE)
+        self._paths = ["".join(f"[{p!r}]" for p in path) for path in paths]
+        for path, leaf in zip(self._paths, leaves):
+            if not isinstance(leaf, DTensor):
+                raise InputTypeError(
+                    explain(
+                        f"{where}(params{path})",
+                        "the parameters are fd.DTensor values",
+                        expected="an fd.DTensor",
+                        got=type(leaf).__name__,
+                        fix="lay it out with fd.distribute_tensor, or use fd.parallelize_module(...).params",
+                    )
+                )
+            if any(isinstance(p, Partial) for p in leaf.placements):
+                raise LayoutError(
+                    explain(
+                        f"{where}(params{path})",
+                        "a parameter is a value, not a sum still to be taken",
+                        expected="Shard or Replicate placements",
+                        got=str(leaf.layout),
+                        fix="redistribute it to Replicate first",
+                    )
+                )
+        self._layouts = [(leaf.layout, leaf.shape, leaf.dtype) for leaf in leaves]
+        self._tensors = [self._distinct(leaf).detach().clone() for leaf in leaves]
+        self.optimizer = optimizer(self._tensors, **options)
+
+    def __repr__(self) -> str:
+        return f"fd.Optimizer({type(self.optimizer).__name__}, {len(self._tensors)} parameters)"
+
+    @staticmethod
+    def _distinct(value: DTensor) -> torch.Tensor:
+        return backend_of(value.device_mesh).distinct(storage_of(value), value.layout)
+
+    def _checked(self, tree, what: str, *, allow_none: bool) -> list:
+        where = f"fd.Optimizer.step({what})"
+        leaves, tree_spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+        if tree_spec != self._tree:
+            raise InputTypeError(
+                explain(
+                    where,
+                    f"{what} has the structure of the parameters the optimizer was made with",
+                    expected=str(self._tree),
+                    got=str(tree_spec),
+                    fix="pass the same pytree (the step's result is one)",
+                )
+            )
+        out = []
+        for path, leaf, (layout, shape, dtype) in zip(self._paths, leaves, self._layouts):
+            if leaf is None and allow_none:
+                out.append(None)
+                continue
+            if not isinstance(leaf, DTensor):
+                raise InputTypeError(
+                    explain(
+                        f"{where}{path}",
+                        f"{what} are fd.DTensor values",
+                        expected="an fd.DTensor" + (" or None" if allow_none else ""),
+                        got=type(leaf).__name__,
+                        fix="pass what torch.autograd.grad returns for the parameters",
+                    )
+                )
+            if leaf.shape != shape or leaf.device_mesh != layout.mesh:
+                raise ShapeError(
+                    explain(
+                        f"{where}{path}",
+                        f"{what} must match the parameters the optimizer was made with",
+                        expected=f"shape {tuple(shape)} on {layout.mesh!r}",
+                        got=f"shape {tuple(leaf.shape)} on {leaf.device_mesh!r}",
+                        fix="pass the parameters (and their gradients) of this model",
+                    )
+                )
+            if leaf.layout != layout:
+                leaf = redistribute(leaf, layout)
+            out.append(leaf)
+        return out
+
+    def step(self, params, grads):
+        """The parameters after one step with ``grads`` (a pytree like ``params``; a ``None``
+        leaf: no gradient, as an unused parameter). ``params`` is not changed."""
+        values = self._checked(params, "params", allow_none=False)
+        gradients = self._checked(grads, "grads", allow_none=True)
+        with torch.no_grad():
+            for tensor, value, grad in zip(self._tensors, values, gradients):
+                # fresh memory every step: the values returned last time keep theirs
+                tensor.data = self._distinct(value).detach().clone()
+                tensor.grad = None if grad is None else self._distinct(grad).detach().to(tensor.dtype)
+            self.optimizer.step()
+            out = []
+            for tensor, value, (layout, shape, _) in zip(self._tensors, values, self._layouts):
+                tensor.grad = None
+                storage = backend_of(layout.mesh).from_distinct(tensor.data, layout)
+                out.append(new_value(storage.requires_grad_(value.requires_grad), layout, shape))
+        return optree.tree_unflatten(self._tree, out)
+
+    def state_dict(self) -> dict:
+        """The optimizer's state: ``{"state": {parameter path: {name: fd.DTensor or
+        tensor}}, "param_groups": [...]}``, each state tensor shaped like its parameter laid
+        out like it (a scalar such as ``step`` as a plain tensor)."""
+        inner = self.optimizer.state_dict()
+        state = {}
+        for index, entries in inner["state"].items():
+            layout, shape, _ = self._layouts[index]
+            tensor = self._tensors[index]
+            state[self._paths[index]] = {
+                key: new_value(backend_of(layout.mesh).from_distinct(v.detach().clone(), layout), layout, shape)
+                if isinstance(v, torch.Tensor) and v.shape == tensor.shape and v.dim() > 0
+                else v
+                for key, v in entries.items()
+            }
+        return {"state": state, "param_groups": inner["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take back a :meth:`state_dict` (from this or another layout of the same model)."""
+        where = "fd.Optimizer.load_state_dict(state_dict)"
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise InputTypeError(
+                explain(
+                    where,
+                    "an optimizer state is the dict fd.Optimizer.state_dict() gives",
+                    expected='a dict with "state" and "param_groups"',
+                    got=repr(type(state_dict).__name__)
+                    if not isinstance(state_dict, dict)
+                    else f"keys {sorted(state_dict)}",
+                    fix="pass opt.state_dict() (or what fd.checkpoint.load gave back for it)",
+                )
+            )
+        index_of = {path: i for i, path in enumerate(self._paths)}
+        state = {}
+        for path, entries in state_dict["state"].items():
+            if path not in index_of:
+                raise InputTypeError(
+                    explain(
+                        f"{where}['state'][{path!r}]",
+                        "the state names a parameter this optimizer does not have",
+                        expected=f"one of {self._paths[:4]}{'...' if len(self._paths) > 4 else ''}",
+                        got=repr(path),
+                        fix="load the state of an optimizer over the same parameters",
+                    )
+                )
+            index = index_of[path]
+            layout, shape, _ = self._layouts[index]
+            converted = {}
+            for key, v in entries.items():
+                if isinstance(v, DTensor):
+                    if v.shape != shape:
+                        raise ShapeError(
+                            explain(
+                                f"{where}['state'][{path!r}][{key!r}]",
+                                "a state tensor is shaped like its parameter",
+                                expected=str(tuple(shape)),
+                                got=str(tuple(v.shape)),
+                                fix="load the state of the same model",
+                            )
+                        )
+                    v = self._distinct(v if v.layout == layout else redistribute(v, layout)).detach().clone()
+                converted[key] = v
+            state[index] = converted
+        self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+
+def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
+    """``(clipped, total_norm)``: ``grads`` (a pytree of ``fd.DTensor``) scaled so that their
+    global ``norm_type``-norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``),
+    and that norm, a replicated scalar. The norms of shards are summed across devices: one
+    all-reduce per distinct layout among the gradients."""
+    where = "fd.clip_grad_norm"
+    leaves, spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=NAMESPACE)
+    present = [g for g in leaves if g is not None]
+    for path, g in zip(optree.tree_paths(grads, none_is_leaf=True, namespace=NAMESPACE), leaves):
+        if g is not None and not isinstance(g, DTensor):
+            raise InputTypeError(
+                explain(
+                    f"{where}(grads{''.join(f'[{p!r}]' for p in path)})",
+                    "the gradients are fd.DTensor values",
+                    expected="an fd.DTensor or None",
+                    got=type(g).__name__,
+                    fix="pass what torch.autograd.grad returned for fd.DTensor parameters",
+                )
+            )
+    if not present:
+        raise InputTypeError(
+            explain(f"{where}(grads)", "there is no gradient to clip", expected="some fd.DTensor", got="none", fix="")
+        )
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise InputTypeError(
+            explain(f"{where}(norm_type)", "a p-norm", expected="p > 0 or math.inf", got=repr(norm_type), fix="")
+        )
+    infinite = math.isinf(norm_type)
+    groups: dict = {}
+    for g in present:
+        g = g.float()
+        part = g.abs().amax() if infinite else (g.abs() ** norm_type).sum() if norm_type != 2 else (g * g).sum()
+        key = part.layout
+        groups[key] = part if key not in groups else (torch.maximum(groups[key], part) if infinite else groups[key] + part)
+    mesh = present[0].device_mesh
+    replicated = [redistribute(v, (Replicate(),) * mesh.ndim) for v in groups.values()]
+    total = replicated[0]
+    for v in replicated[1:]:
+        total = torch.maximum(total, v) if infinite else total + v
+    if not infinite:
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    clipped = [None if g is None else g * coef.to(g.dtype) for g in leaves]
+    return optree.tree_unflatten(spec, clipped), total
+
