@@ -121,6 +121,9 @@ def plan_for(variant: str) -> dict:
             "layers.*.attn_norm": fd.SequenceParallel(),
             "layers.*.mlp_norm": fd.SequenceParallel(),
             "norm": fd.SequenceParallel(),
+            # gather the sequence once per block, not once per projection
+            "layers.*.attn": fd.PrepareModuleInput(desired_input_layouts=R),
+            "layers.*.mlp": fd.PrepareModuleInput(desired_input_layouts=R),
         }
     if "fsdp" in variant.split("+"):
         plan |= {"layers.*": fd.FullyShard("dp"), "": fd.FullyShard("dp")}

@@ -146,6 +146,26 @@ def _meta(value):
     return value
 
 
+def _ordered(mesh, placements: tuple, sources: Sequence[Layout]) -> Layout:
+    """The layout of ``placements`` whose dims split by several axes keep the order (major
+    first) those axes split a dim of ``sources`` in, where one does: an op on a value sharded
+    ``P(("tp", "dp"))`` keeps that order rather than moving its blocks."""
+    split: dict[int, list[int]] = {}
+    for axis, placement in enumerate(placements):
+        if placement.is_shard():
+            split.setdefault(placement.dim, []).append(axis)
+    order = []
+    for dim, axes in split.items():
+        if len(axes) < 2:
+            continue
+        for source in sources:
+            found = next((o for _, o in source.shard_order if sorted(o) == axes), None)
+            if found is not None:
+                order.append((dim, found))
+                break
+    return Layout(mesh, placements, tuple(order))
+
+
 def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Decision:
     """The layouts ``func`` runs in: the rule's options, combined over the mesh axes, the
     cheapest in bytes redistributed (a combination the inputs already fit costs nothing)."""
@@ -182,13 +202,15 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
     for combination in candidates:
         if valid is not None and not valid(call, mesh, combination):
             continue
-        required = [Layout(mesh, tuple(o.inputs[i] for o in combination)) for i in range(len(tensors))]
+        required = [
+            _ordered(mesh, tuple(o.inputs[i] for o in combination), (current[i],)) for i in range(len(tensors))
+        ]
         planned = [_steps(c, r, s, t.dtype) for c, r, s, t in zip(current, required, shapes, tensors)]
         cost = sum((c for _, c in planned), Fraction(0))
         if best is None or cost < best[0]:
             best = (cost, combination, required, planned)
     cost, combination, required, planned = best
-    output = Layout(mesh, tuple(o.output for o in combination))
+    output = _ordered(mesh, tuple(o.output for o in combination), required)
     pvary = tuple(
         tuple(
             name
