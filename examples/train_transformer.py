@@ -52,7 +52,9 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        q, k, v = (w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, t, d))
 
@@ -90,6 +92,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         if cfg.tied:
             self.output.weight = self.embed.weight
+            nn.init.normal_(self.embed.weight, std=cfg.dim**-0.5)
 
     def forward(self, tokens):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -145,7 +148,9 @@ def loss_of(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
-def train_single(model: nn.Module, cfg: Config, steps: int, lr: float = 1e-2) -> tuple[list[float], nn.Module]:
+def train_single(
+    model: nn.Module, cfg: Config, steps: int, lr: float = 1e-2
+) -> tuple[list[float], nn.Module]:
     """The reference: the same steps on one device with torch.optim.AdamW."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -160,13 +165,14 @@ def train_single(model: nn.Module, cfg: Config, steps: int, lr: float = 1e-2) ->
     return losses, model
 
 
-def train_sharded(model: nn.Module, cfg: Config, mesh: fd.DeviceMesh, variant: str, steps: int, lr: float = 1e-2):
+def train_sharded(
+    model: nn.Module, cfg: Config, mesh: fd.DeviceMesh, variant: str, steps: int, lr: float = 1e-2
+):
     """The same training, sharded: ``(losses, params, comm)`` (the last step's communication)."""
     sharded = fd.parallelize_module(model, mesh, plan_for(variant))
     params = sharded.params
     opt = fd.Optimizer(torch.optim.AdamW, params, lr=lr)
     losses = []
-    comm = None
     for tokens, targets in batches(cfg, steps):
         with fd.CommDebugMode() as comm:
             tokens_d = fd.distribute_tensor(tokens, mesh, fd.P("dp"))

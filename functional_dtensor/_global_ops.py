@@ -203,7 +203,8 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
         if valid is not None and not valid(call, mesh, combination):
             continue
         required = [
-            _ordered(mesh, tuple(o.inputs[i] for o in combination), (current[i],)) for i in range(len(tensors))
+            _ordered(mesh, tuple(o.inputs[i] for o in combination), (current[i],))
+            for i in range(len(tensors))
         ]
         planned = [_steps(c, r, s, t.dtype) for c, r, s, t in zip(current, required, shapes, tensors)]
         cost = sum((c for _, c in planned), Fraction(0))

@@ -142,7 +142,7 @@ class Optimizer:
                 )
             )
         out = []
-        for path, leaf, (layout, shape, dtype) in zip(self._paths, leaves, self._layouts):
+        for path, leaf, (layout, shape, _) in zip(self._paths, leaves, self._layouts):
             if leaf is None and allow_none:
                 out.append(None)
                 continue
@@ -199,8 +199,12 @@ class Optimizer:
             layout, shape, _ = self._layouts[index]
             tensor = self._tensors[index]
             state[self._paths[index]] = {
-                key: new_value(backend_of(layout.mesh).from_distinct(v.detach().clone(), layout), layout, shape)
+                key: new_value(
+                    backend_of(layout.mesh).from_distinct(v.detach().clone(), layout), layout, shape
+                )
                 if isinstance(v, torch.Tensor) and v.shape == tensor.shape and v.dim() > 0
+                else v.detach().clone()  # a fresh step counter: the optimizer counts in place
+                if isinstance(v, torch.Tensor)
                 else v
                 for key, v in entries.items()
             }
@@ -250,6 +254,8 @@ class Optimizer:
                             )
                         )
                     v = self._distinct(v if v.layout == layout else redistribute(v, layout)).detach().clone()
+                elif isinstance(v, torch.Tensor):
+                    v = v.detach().clone()  # torch keeps a step counter as given, and counts in place
                 converted[key] = v
             state[index] = converted
         self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
@@ -276,20 +282,34 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
             )
     if not present:
         raise InputTypeError(
-            explain(f"{where}(grads)", "there is no gradient to clip", expected="some fd.DTensor", got="none", fix="")
+            explain(
+                f"{where}(grads)",
+                "there is no gradient to clip",
+                expected="some fd.DTensor",
+                got="none",
+                fix="",
+            )
         )
     norm_type = float(norm_type)
     if not (norm_type > 0):
         raise InputTypeError(
-            explain(f"{where}(norm_type)", "a p-norm", expected="p > 0 or math.inf", got=repr(norm_type), fix="")
+            explain(
+                f"{where}(norm_type)", "a p-norm", expected="p > 0 or math.inf", got=repr(norm_type), fix=""
+            )
         )
     infinite = math.isinf(norm_type)
     groups: dict = {}
     for g in present:
         g = g.float()
-        part = g.abs().amax() if infinite else (g.abs() ** norm_type).sum() if norm_type != 2 else (g * g).sum()
+        part = (
+            g.abs().amax() if infinite else (g.abs() ** norm_type).sum() if norm_type != 2 else (g * g).sum()
+        )
         key = part.layout
-        groups[key] = part if key not in groups else (torch.maximum(groups[key], part) if infinite else groups[key] + part)
+        groups[key] = (
+            part
+            if key not in groups
+            else (torch.maximum(groups[key], part) if infinite else groups[key] + part)
+        )
     mesh = present[0].device_mesh
     replicated = [redistribute(v, (Replicate(),) * mesh.ndim) for v in groups.values()]
     total = replicated[0]
@@ -300,4 +320,3 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     clipped = [None if g is None else g * coef.to(g.dtype) for g in leaves]
     return optree.tree_unflatten(spec, clipped), total
-

@@ -107,7 +107,7 @@ def _kind(module: nn.Module, style: str) -> str:
             f"{style} shards the weights of nn.Linear and nn.Embedding",
             expected="a plan entry naming an nn.Linear or nn.Embedding",
             got=type(module).__name__,
-            fix="name the Linear/Embedding inside it, or lay it out with fd.distribute_module(partition_fn=...)",
+            fix="name the Linear or Embedding inside it, or use fd.distribute_module(partition_fn=...)",
         )
     )
 
@@ -389,7 +389,13 @@ def _layout(mesh: DeviceMesh, placements: PlacementsOrSpec, tensor: torch.Tensor
 def _check_module(module, api: str) -> None:
     if not isinstance(module, nn.Module):
         raise InputTypeError(
-            explain(f"{api}(module)", "it shards a torch module", expected="an nn.Module", got=type(module).__name__, fix="")
+            explain(
+                f"{api}(module)",
+                "it shards a torch module",
+                expected="an nn.Module",
+                got=type(module).__name__,
+                fix="",
+            )
         )
 
 
@@ -501,7 +507,13 @@ def _on_axis(x, mesh: DeviceMesh, axis: str, placement: Placement | None, where:
         return x
     if isinstance(placement, Partial):
         raise LayoutError(
-            explain(where, "a style cannot make a value Partial", expected="Shard or Replicate", got=str(placement), fix="")
+            explain(
+                where,
+                "a style cannot make a value Partial",
+                expected="Shard or Replicate",
+                got=str(placement),
+                fix="",
+            )
         )
     return redistribute(x, (*current[:index], placement, *current[index + 1 :]))
 
@@ -535,7 +547,8 @@ def _as_args(value):
 def _input_hook(mesh, axis, wanted, where):
     def hook(module, inputs):
         return tuple(
-            _on_axis(x, mesh, axis, wanted[i] if i < len(wanted) else None, where) for i, x in enumerate(inputs)
+            _on_axis(x, mesh, axis, wanted[i] if i < len(wanted) else None, where)
+            for i, x in enumerate(inputs)
         )
 
     return hook
@@ -545,7 +558,8 @@ def _output_hook(mesh, axis, wanted, where):
     def hook(module, inputs, output):
         if isinstance(output, tuple):
             return tuple(
-                _on_axis(x, mesh, axis, wanted[i] if i < len(wanted) else None, where) for i, x in enumerate(output)
+                _on_axis(x, mesh, axis, wanted[i] if i < len(wanted) else None, where)
+                for i, x in enumerate(output)
             )
         return _on_axis(output, mesh, axis, wanted[0], where)
 
@@ -649,4 +663,3 @@ class _Apply:
                     for sub, attr in self._places[name]:
                         table = sub._parameters if attr in sub._parameters else sub._buffers
                         table[attr] = None
-

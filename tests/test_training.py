@@ -1,0 +1,377 @@
+"""Training sharded models: module plans, the optimizer on shards, gradient clipping.
+
+The acceptance test trains the example's transformer on a 2 x 2 ("dp", "tp") mesh in every
+variant (tensor parallel, sequence parallel, FSDP-style, both, tied embeddings) and compares
+every step's loss and the final parameters with the same training on one device, on the
+simulated mesh and on 4 gloo ranks. The other tests check each piece against torch on one
+device: plans drawn by hypothesis, the optimizer, clipping, and the errors.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import functional_dtensor as fd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import train_transformer as tt  # noqa: E402
+
+R, S = fd.Replicate(), fd.Shard
+SMALL = tt.Config(vocab=32, dim=16, heads=2, hidden=32, layers=1, seq=8, batch=4)
+STEPS = 3
+
+
+def _model(cfg: tt.Config) -> nn.Module:
+    torch.manual_seed(0)
+    return tt.Transformer(cfg)
+
+
+def job_train(mesh, variant: str, tied: bool) -> dict:
+    cfg = SMALL if not tied else tt.Config(**{**SMALL.__dict__, "tied": True})
+    losses, params, _, opt = tt.train_sharded(_model(cfg), cfg, mesh, variant, STEPS)
+    state = opt.state_dict()["state"]
+    return {
+        "losses": losses,
+        "params": {name: p.full_tensor() for name, p in params.items()},
+        "exp_avg": {path: s["exp_avg"].full_tensor() for path, s in state.items()},
+        "layouts": {name: str(p.spec) for name, p in params.items()},
+    }
+
+
+CASES = [("tp", False), ("sp", False), ("fsdp", False), ("sp+fsdp", False), ("sp+fsdp", True)]
+
+
+@pytest.mark.meshes((2, 2))
+@pytest.mark.parametrize("variant, tied", CASES, ids=[f"{v}{'-tied' if t else ''}" for v, t in CASES])
+def test_training_equals_one_device(backend, mesh, variant, tied):
+    cfg = SMALL if not tied else tt.Config(**{**SMALL.__dict__, "tied": True})
+    reference, trained = tt.train_single(_model(cfg), cfg, STEPS)
+    expected = dict(trained.named_parameters())
+    for got in backend.run(job_train, (2, 2), ("dp", "tp"), variant, tied, timeout=120):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+        assert got["params"].keys() == expected.keys()
+        for name, value in got["params"].items():
+            torch.testing.assert_close(value, expected[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+        assert len(got["exp_avg"]) == len(expected)
+        if "fsdp" in variant:  # every parameter sharded over dp
+            assert all("dp" in layout for layout in got["layouts"].values()), got["layouts"]
+    assert reference[-1] < reference[0]  # it learns
+
+
+def test_fully_sharded_holds_a_quarter():
+    cfg = SMALL
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    _, params, _, opt = tt.train_sharded(_model(cfg), cfg, mesh, "sp+fsdp", 1)
+    whole = sum(p.numel() * p.element_size() for p in _model(cfg).parameters())
+    held = tt.bytes_per_device(params)
+    assert held <= whole / 4 * 1.1  # 1/4 of every matrix (small vectors split unevenly)
+    assert tt.bytes_per_device(opt.state_dict()["state"]) == 2 * held  # AdamW: two moments
+
+
+def test_the_example_runs_and_prints(capsys):
+    tt.main(["--variant", "sp+fsdp", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "largest parameter difference" in out and "all_gather" in out and "reduce_scatter" in out
+
+
+# --- plans drawn by hypothesis ----------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.norm = nn.LayerNorm(sizes[-1])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return self.norm(x)
+
+
+@st.composite
+def plans(draw):
+    shape = draw(st.sampled_from([(2,), (4,), (2, 2), (1, 2)]))
+    names = ("tp",) if len(shape) == 1 else ("dp", "tp")
+    depth = draw(st.integers(1, 3))
+    sizes = [draw(st.sampled_from([4, 6, 8])) for _ in range(depth + 1)]
+    plan = {}
+    for i in range(depth):
+        style = draw(st.sampled_from(["col", "row", "rep", None]))
+        if style is not None:
+            plan[f"layers.{i}"] = {
+                "col": fd.ColwiseParallel(),
+                "row": fd.RowwiseParallel(),
+                "rep": fd.ReplicateParallel(),
+            }[style]
+    if "dp" in names and draw(st.booleans()):
+        plan["layers.*"] = fd.FullyShard("dp")  # beside the tensor-parallel style of layers.0
+        plan[""] = fd.FullyShard("dp")
+    batch = draw(st.sampled_from([4, 8]))
+    return shape, names, sizes, plan, batch
+
+
+@settings(max_examples=25, deadline=None)
+@given(plans())
+def test_drawn_plans_equal_one_device(case):
+    shape, names, sizes, plan, batch = case
+    torch.manual_seed(0)
+    model = MLP(sizes)
+    mesh = fd.simulated_mesh(shape, names)
+    sharded = fd.parallelize_module(model, mesh, plan)
+    x = torch.randn(batch, sizes[0])
+    data = fd.P("dp") if "dp" in names else fd.P()
+    out = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, data))
+    expected = model(x)
+    torch.testing.assert_close(out.full_tensor(), expected, rtol=1e-5, atol=1e-5)
+    loss = (out * out).sum()
+    grads = torch.autograd.grad(loss, list(sharded.params.values()))
+    reference = torch.autograd.grad((expected * expected).sum(), list(model.parameters()))
+    for name, g, e in zip(sharded.params, grads, reference):
+        torch.testing.assert_close(g.full_tensor(), e, rtol=1e-4, atol=1e-5, msg=name)
+        assert g.layout == sharded.params[name].layout
+
+
+def test_styles_lay_out_parameters_as_dtensor():
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    model = nn.ModuleDict({"col": nn.Linear(4, 8), "row": nn.Linear(8, 4), "emb": nn.Embedding(6, 4)})
+    plan = {"col": fd.ColwiseParallel(), "row": fd.RowwiseParallel(), "emb": fd.RowwiseParallel()}
+    params = fd.parallelize_module(model, mesh, plan).params
+    specs = {name: p.spec for name, p in params.items()}
+    assert specs == {
+        "col.weight": fd.P("tp"),
+        "col.bias": fd.P("tp"),
+        "row.weight": fd.P(None, "tp"),
+        "row.bias": fd.P(),
+        "emb.weight": fd.P("tp"),
+    }
+    fsdp = fd.parallelize_module(model, mesh, {**plan, "": fd.FullyShard("dp")}).params
+    assert fsdp["col.weight"].spec == fd.P(("tp", "dp")) and fsdp["row.weight"].spec == fd.P("dp", "tp")
+    assert fsdp["emb.weight"].spec == fd.P(("tp", "dp"))
+
+
+def test_rowwise_output_layouts_and_sequence_parallel():
+    torch.manual_seed(0)
+    mesh = fd.simulated_mesh(2, "tp")
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    plan = {
+        "0": fd.SequenceParallel(),
+        "1": fd.ColwiseParallel(),
+        "3": fd.RowwiseParallel(output_layouts=S(1)),
+    }
+    sharded = fd.parallelize_module(model, mesh, plan)
+    x = torch.randn(2, 6, 8)
+    with fd.CommDebugMode() as comm:
+        y = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, fd.P(None, "tp")))
+    assert y.placements == (S(1),)
+    assert comm.get_comm_counts() == {"all_gather": 1, "reduce_scatter": 1}
+    torch.testing.assert_close(y.full_tensor(), model(x))
+
+
+def test_the_module_is_not_changed_and_apply_is_pure():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    before = copy.deepcopy(model.state_dict())
+    mesh = fd.simulated_mesh(2, "tp")
+    sharded = fd.parallelize_module(model, mesh, {"0": fd.ColwiseParallel(), "2": fd.RowwiseParallel()})
+    x = fd.distribute_tensor(torch.randn(3, 4), mesh, fd.P())
+    a = sharded.apply(sharded.params, x).full_tensor()
+    b = sharded.apply(sharded.params, x).full_tensor()
+    assert torch.equal(a, b)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert not model._forward_pre_hooks and not model[0]._forward_hooks
+    assert isinstance(model[0].weight, nn.Parameter)
+
+
+def test_buffers_are_replicated_constants():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    mesh = fd.simulated_mesh(2, "tp")
+    sharded = fd.parallelize_module(model, mesh, {"lin": fd.ColwiseParallel()})
+    assert set(sharded.params) == {"lin.weight", "lin.bias"}
+    assert sharded.apply.buffers["scale"].placements == (R,)
+    x = torch.randn(3, 4)
+    y = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, fd.P()))
+    torch.testing.assert_close(y.full_tensor(), model(x))
+
+
+def test_distribute_module_partition_input_and_output_fns():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    mesh = fd.simulated_mesh(2, "x")
+
+    def partition(name, module, mesh):
+        return {"weight": [S(0)], "bias": fd.P("x")} if isinstance(module, nn.Linear) else None
+
+    def input_fn(module, inputs, mesh):
+        return tuple(fd.distribute_tensor(t, mesh, fd.P()) for t in inputs)
+
+    def output_fn(module, outputs, mesh):
+        return outputs.full_tensor()
+
+    sharded = fd.distribute_module(model, mesh, partition, input_fn, output_fn)
+    assert sharded.params["weight"].placements == (S(0),)
+    x = torch.randn(3, 4)
+    out = sharded.apply(sharded.params, x)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, model(x))
+
+
+# --- the optimizer ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, options",
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        (torch.optim.Adam, {"lr": 0.01}),
+        (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    ],
+    ids=["sgd-momentum", "adam", "adamw"],
+)
+@pytest.mark.parametrize("spec", [fd.P("x"), fd.P(None, "y"), fd.P(("x", "y")), fd.P()], ids=str)
+def test_optimizer_steps_equal_torch(make, options, spec):
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    torch.manual_seed(0)
+    w0 = torch.randn(6, 4)  # 6 rows over 4 devices: uneven
+    target = torch.randn(6, 4)
+    w = w0.clone().requires_grad_()
+    reference = make([w], **options)
+    params = {"w": fd.redistribute(fd.parallelize_module(_Holder(w0), mesh, {}).params["w"], spec)}
+    opt = fd.Optimizer(make, params, **options)
+    for _ in range(3):
+        loss = ((w - target) ** 2).sum()
+        reference.zero_grad()
+        loss.backward()
+        reference.step()
+        sharded_loss = ((params["w"] - fd.distribute_tensor(target, mesh, spec)) ** 2).sum()
+        (g,) = torch.autograd.grad(sharded_loss, [params["w"]])
+        old = params["w"].full_tensor()
+        params = opt.step(params, {"w": g})
+        assert not torch.equal(old, params["w"].full_tensor())
+    torch.testing.assert_close(params["w"].full_tensor(), w.detach())
+    assert params["w"].layout.placements == fd.Layout.from_spec(mesh, spec).placements
+    state = opt.state_dict()["state"]["['w']"]
+    for key, v in state.items():
+        if isinstance(v, fd.DTensor):
+            torch.testing.assert_close(v.full_tensor(), reference.state[w][key])
+
+
+class _Holder(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+
+def test_optimizer_does_not_change_the_values_given():
+    mesh = fd.simulated_mesh(2, "x")
+    params = fd.parallelize_module(_Holder(torch.ones(4, 2)), mesh, {}).params
+    opt = fd.Optimizer(torch.optim.SGD, params, lr=1.0)
+    grads = {"w": fd.distribute_tensor(torch.ones(4, 2), mesh, fd.P())}
+    first = opt.step(params, grads)
+    second = opt.step(first, grads)
+    assert params["w"].full_tensor().eq(1).all()
+    assert first["w"].full_tensor().eq(0).all() and second["w"].full_tensor().eq(-1).all()
+
+
+def test_optimizer_state_loads_onto_another_layout():
+    torch.manual_seed(0)
+    w0, g0 = torch.randn(8, 4), torch.randn(8, 4)
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    a = {"w": fd.redistribute(fd.parallelize_module(_Holder(w0), mesh, {}).params["w"], fd.P("x", "y"))}
+    b = {"w": fd.redistribute(a["w"], fd.P(("y", "x")))}
+    opt_a = fd.Optimizer(torch.optim.Adam, a, lr=0.1)
+    a = opt_a.step(a, {"w": fd.distribute_tensor(g0, mesh, fd.P("x", "y"))})
+    opt_b = fd.Optimizer(torch.optim.Adam, b, lr=0.1)
+    opt_b.load_state_dict(opt_a.state_dict())
+    b = {"w": fd.redistribute(a["w"], fd.P(("y", "x")))}
+    a = opt_a.step(a, {"w": fd.distribute_tensor(g0, mesh, fd.P("x", "y"))})
+    b = opt_b.step(b, {"w": fd.distribute_tensor(g0, mesh, fd.P(("y", "x")))})
+    torch.testing.assert_close(a["w"].full_tensor(), b["w"].full_tensor())
+    assert b["w"].spec == fd.P(("y", "x"))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_grad_norm_equals_torch(norm_type):
+    torch.manual_seed(0)
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    tensors = [torch.randn(6, 4), torch.randn(5), torch.randn(4, 4)]
+    specs = [fd.P("x", "y"), fd.P(("x", "y")), fd.P()]
+    grads = {f"g{i}": fd.distribute_tensor(t, mesh, s) for i, (t, s) in enumerate(zip(tensors, specs))}
+    reference = [t.clone() for t in tensors]
+    for t in reference:
+        t.grad = t.clone()
+    expected = torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type)
+    with fd.CommDebugMode() as comm:
+        clipped, total = fd.clip_grad_norm(grads, 1.0, norm_type)
+    torch.testing.assert_close(total.full_tensor(), expected)
+    for i, t in enumerate(reference):
+        torch.testing.assert_close(clipped[f"g{i}"].full_tensor(), t.grad)
+    assert comm.get_total_counts() <= 2  # one reduction per distinct layout, not per gradient
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_bad_plans_and_calls_are_clear_errors():
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 1))
+    with pytest.raises(fd.LayoutError, match="matches no module"):
+        fd.parallelize_module(model, mesh, {"nope.*": fd.ColwiseParallel()})
+    with pytest.raises(fd.InputTypeError, match="nn.Linear and nn.Embedding"):
+        fd.parallelize_module(model, mesh, {"1": fd.ColwiseParallel()})
+    with pytest.raises(fd.LayoutError, match="mesh axis"):
+        fd.parallelize_module(model, mesh, {"0": fd.ColwiseParallel("model")})
+    with pytest.raises(fd.InputTypeError, match="style"):
+        fd.parallelize_module(model, mesh, {"0": "colwise"})
+    with pytest.raises(fd.InputTypeError, match="dict"):
+        fd.parallelize_module(model, mesh, [("0", fd.ColwiseParallel())])
+    with pytest.raises(fd.InputTypeError, match="nn.Module"):
+        fd.parallelize_module(lambda x: x, mesh, {})
+    sharded = fd.parallelize_module(nn.Linear(4, 4), mesh, {"": fd.ColwiseParallel()})
+    x = fd.distribute_tensor(torch.randn(2, 4), mesh, fd.P())
+    with pytest.raises(fd.InputTypeError, match=r"missing \['bias'\]"):
+        sharded.apply({"weight": sharded.params["weight"]}, x)
+    with pytest.raises(fd.InputTypeError, match=r"\['weight'\]"):
+        sharded.apply({**sharded.params, "weight": torch.zeros(4, 4)}, x)
+
+
+def test_bad_optimizer_inputs_are_clear_errors():
+    mesh = fd.simulated_mesh(2, "x")
+    params = fd.parallelize_module(_Holder(torch.ones(4, 2)), mesh, {}).params
+    with pytest.raises(fd.InputTypeError, match="elementwise"):
+        fd.Optimizer(torch.optim.LBFGS, params)
+    with pytest.raises(fd.InputTypeError, match="torch.optim class"):
+        fd.Optimizer(torch.optim.SGD([torch.zeros(1)], lr=1), params)
+    with pytest.raises(fd.InputTypeError, match=r"params\['w'\]"):
+        fd.Optimizer(torch.optim.SGD, {"w": torch.ones(2)}, lr=1.0)
+    opt = fd.Optimizer(torch.optim.SGD, params, lr=1.0)
+    with pytest.raises(fd.InputTypeError, match="structure"):
+        opt.step(params, {"v": params["w"]})
+    with pytest.raises(fd.ShapeError, match=r"shape \(4, 2\)"):
+        opt.step(params, {"w": fd.distribute_tensor(torch.ones(2, 2), mesh, fd.P())})
+    with pytest.raises(fd.InputTypeError, match="fd.DTensor"):
+        opt.step(params, {"w": torch.ones(4, 2)})
+    with pytest.raises(fd.InputTypeError, match="fd.DTensor"):
+        fd.clip_grad_norm({"w": torch.ones(2)}, 1.0)
