@@ -146,24 +146,19 @@ def _meta(value):
     return value
 
 
-def _ordered(mesh, placements: tuple, sources: Sequence[Layout]) -> Layout:
-    """The layout of ``placements`` whose dims split by several axes keep the order (major
-    first) those axes split a dim of ``sources`` in, where one does: an op on a value sharded
-    ``P(("tp", "dp"))`` keeps that order rather than moving its blocks."""
+def _ordered(mesh, placements: tuple, orders: dict) -> Layout:
+    """The layout of ``placements`` whose dims split by several axes take the order (major
+    first) ``orders`` gives those axes (sorted axes -> order; the inputs' own orders): an op on
+    a value sharded ``P(("tp", "dp"))`` keeps that order rather than moving its blocks, and
+    every input of the op and its output agree on it, so their blocks pair up."""
     split: dict[int, list[int]] = {}
     for axis, placement in enumerate(placements):
         if placement.is_shard():
             split.setdefault(placement.dim, []).append(axis)
-    order = []
-    for dim, axes in split.items():
-        if len(axes) < 2:
-            continue
-        for source in sources:
-            found = next((o for _, o in source.shard_order if sorted(o) == axes), None)
-            if found is not None:
-                order.append((dim, found))
-                break
-    return Layout(mesh, placements, tuple(order))
+    order = tuple(
+        (dim, orders[tuple(axes)]) for dim, axes in split.items() if len(axes) > 1 and tuple(axes) in orders
+    )
+    return Layout(mesh, placements, order)
 
 
 def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Decision:
@@ -193,6 +188,10 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
     for axis in range(mesh.ndim):
         here = tuple(layout.placements[axis] for layout in current)
         fitting.append(next((o for o in options if o.inputs == here), None))
+    orders: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for layout in current:
+        for _, order in layout.shard_order:
+            orders.setdefault(tuple(sorted(order)), order)
     valid = handler.valid
     if all(fitting) and (valid is None or valid(call, mesh, tuple(fitting))):
         candidates = [tuple(fitting)]
@@ -203,15 +202,14 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
         if valid is not None and not valid(call, mesh, combination):
             continue
         required = [
-            _ordered(mesh, tuple(o.inputs[i] for o in combination), (current[i],))
-            for i in range(len(tensors))
+            _ordered(mesh, tuple(o.inputs[i] for o in combination), orders) for i in range(len(tensors))
         ]
         planned = [_steps(c, r, s, t.dtype) for c, r, s, t in zip(current, required, shapes, tensors)]
         cost = sum((c for _, c in planned), Fraction(0))
         if best is None or cost < best[0]:
             best = (cost, combination, required, planned)
     cost, combination, required, planned = best
-    output = _ordered(mesh, tuple(o.output for o in combination), required)
+    output = _ordered(mesh, tuple(o.output for o in combination), orders)
     pvary = tuple(
         tuple(
             name
