@@ -38,6 +38,7 @@ FLOORS = {
         "_local_map",
         "_global_ops",
         "_torch_ops",
+        "_ring_attention",
     ],
     "tools": ["_explain", "_comm_debug", "testing.*", "_demo", "__init__", "__main__"],
 }
