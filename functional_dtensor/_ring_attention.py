@@ -84,8 +84,8 @@ def ring_attention(
     True
     """
     where = "fd.ring_attention"
-    frame, axes = frame_for(axis_name, where)
     _check_local(q, k, v, where)
+    frame, axes = frame_for(axis_name, where)
     n = frame.mesh.axis_size(axes)
     t_q, t_k = q.shape[-2], k.shape[-2]
     if scale is None:
