@@ -102,25 +102,68 @@ def ring_attention(
     total = torch.zeros((*q.shape[:-1], 1), dtype=dtype, device=q.device)
     weighted = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype, device=q.device)
     for step in range(n):
-        scores = torch.matmul(q_block, k_block.to(dtype).transpose(-2, -1)) * scale
+        k_step, v_step = k_block.to(dtype), v_block.to(dtype)
+        hidden = None
         if causal:  # the block came from device index - step: its global key positions
             k_positions = ((index - step) % n) * t_k + k_offsets
             hidden = k_positions.unsqueeze(-2) > q_positions.unsqueeze(-1)  # (T_q, T_k)
-            scores = scores.masked_fill(hidden, -torch.inf)
-        # the maximum only keeps exp() in range: the result does not depend on it
-        new_max = torch.maximum(running_max, scores.detach().amax(-1, keepdim=True))
-        shift = torch.where(new_max == -torch.inf, torch.zeros_like(new_max), new_max)  # all hidden
-        weights = torch.exp(scores - shift)
-        rescale = torch.exp(running_max - shift)
-        total = total * rescale + weights.sum(-1, keepdim=True)
-        weighted = weighted * rescale + torch.matmul(weights, v_block.to(dtype))
-        running_max = new_max
+        sums, block, running_max, rescale, _ = _Block.apply(
+            q_block, k_step, v_step, running_max, hidden, scale
+        )
+        total = total * rescale + sums
+        weighted = weighted * rescale + block
         if step < n - 1:
             k_block = ppermute(k_block, axes, ring)
             v_block = ppermute(v_block, axes, ring)
     # a row no key is visible to (none in self-attention) gets zeros, not 0 / 0
     total = torch.where(total == 0, torch.ones_like(total), total)
     return (weighted / total).to(q.dtype)
+
+
+class _Block(torch.autograd.Function):
+    """One step of the online softmax: the scores ``q k^T * scale`` of a key block (``-inf``
+    where ``hidden``), the new running maximum, the weights ``w = exp(scores - shift)`` and
+    ``(rowsum(w), w @ v, new_max, rescale)``, where ``shift`` is the new maximum (0 in a row
+    every key so far was hidden from: no ``-inf - -inf``) and ``rescale = exp(old_max - shift)``
+    brings the sums so far to the new shift.
+
+    The maximum only keeps ``exp`` in range (the result does not depend on it), so it and
+    ``rescale`` take no gradient. The backward recomputes ``w`` from ``q`` and ``k`` rather than
+    saving it: a step keeps its blocks, ``(T_q, E)`` and ``(T_k, E)``, not ``(T_q, T_k)``
+    weights.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def _scores(q, k, hidden, scale):
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        return scores if hidden is None else scores.masked_fill(hidden, -torch.inf)
+
+    @staticmethod
+    def forward(q, k, v, running_max, hidden, scale):
+        scores = _Block._scores(q, k, hidden, scale)
+        new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
+        shift = torch.where(new_max == -torch.inf, torch.zeros_like(new_max), new_max)
+        weights = torch.exp(scores - shift)
+        rescale = torch.exp(running_max - shift)
+        return weights.sum(-1, keepdim=True), torch.matmul(weights, v), new_max, rescale, shift
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, _, hidden, scale = inputs
+        _, _, new_max, rescale, shift = output
+        ctx.save_for_backward(q, k, v, shift, hidden)
+        ctx.mark_non_differentiable(new_max, rescale, shift)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, d_sums, d_block, *_):
+        q, k, v, shift, hidden = ctx.saved_tensors
+        weights = torch.exp(_Block._scores(q, k, hidden, ctx.scale) - shift)
+        d_v = torch.matmul(weights.transpose(-2, -1), d_block)
+        d_scores = weights * (d_sums + torch.matmul(d_block, v.transpose(-2, -1))) * ctx.scale
+        return torch.matmul(d_scores, k), torch.matmul(d_scores.transpose(-2, -1), q), d_v, None, None, None
 
 
 def _check_local(q, k, v, where: str) -> None:
