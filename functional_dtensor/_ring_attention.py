@@ -4,19 +4,20 @@ Each device holds a contiguous block of the sequence: its queries, keys and valu
 value blocks go round the ring of devices along the axis with ``fd.ppermute`` (``n - 1`` steps
 for ``n`` devices); at every step a device scores its queries against the block it holds and
 folds the result into a running softmax (a running row maximum, the sum of exponentials below
-it, and the weighted sum of values), so no device ever holds more than two key/value blocks and
-the result is exactly ``softmax(q k^T * scale) v``. A causal mask compares global positions,
-found from ``fd.axis_index``.
+it, and the weighted sum of values), so the result is exactly ``softmax(q k^T * scale) v``
+without any device gathering the keys and values. A causal mask compares global positions,
+found from ``fd.axis_index``. Each step is one autograd function whose backward recomputes the
+step's weights: what a step keeps for the backward is its blocks, never its scores.
 
-===========================  ================================  ===========================
-per device, step ``s``       shape                             held
-===========================  ================================  ===========================
-``q_block``                  ``(..., heads, T / n, head_dim)``  throughout
-``k_block``, ``v_block``     ``(..., heads, T / n, head_dim)``  from device ``i - s mod n``
-``scores``                   ``(..., heads, T / n, T / n)``     one step
-``running_max``, ``total``   ``(..., heads, T / n, 1)``         throughout
-``weighted``                 ``(..., heads, T / n, head_dim)``  throughout
-===========================  ================================  ===========================
+==========================  =================================  ============================
+per device, step ``s``      shape                              held
+==========================  =================================  ============================
+``q_block``                 ``(..., heads, T / n, head_dim)``  throughout
+``k_block``, ``v_block``    ``(..., heads, T / n, head_dim)``  from device ``i - s mod n``
+scores, weights             ``(..., heads, T / n, T / n)``     within the step
+``running_max``, ``total``  ``(..., heads, T / n, 1)``         throughout
+``weighted``                ``(..., heads, T / n, head_dim)``  throughout
+==========================  =================================  ============================
 
 :func:`ring_attention` is the per-device function (inside ``fd.shard_map``);
 :func:`context_parallel_attention` runs it on ``fd.DTensor`` values through ``shard_map``; and
