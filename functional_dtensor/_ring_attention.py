@@ -63,6 +63,7 @@ def ring_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    zigzag: bool = False,
 ) -> torch.Tensor:
     """Attention of this device's queries against the whole sequence, split over ``axis_name``.
 
@@ -83,6 +84,14 @@ def ring_attention(
     >>> out = attend(q, k, v)
     >>> torch.allclose(out.full_tensor(), F.scaled_dot_product_attention(q, k, v, is_causal=True))
     True
+
+    ``zigzag=True`` (load-balanced causal attention) reads the blocks in zigzag order instead:
+    the sequence cut into ``2 n`` chunks, device ``i`` holds chunks ``i`` and ``2 n - 1 - i``,
+    one after the other. Every device then has as many visible keys as any other, and a causal
+    ring skips the hidden chunk pairs: about half the work of ``zigzag=False``. The result is in
+    the same order. Put a sequence in that order with ``x[..., order, :]``, ``order =
+    torch.arange(T).view(2 * n, -1)``, ``order = torch.cat([order[:n], order[n:].flip(0)],
+    1).flatten()``, and back with ``argsort(order)``.
     """
     where = "fd.ring_attention"
     _check_local(q, k, v, where)
@@ -92,33 +101,105 @@ def ring_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     dtype = torch.float32 if q.dtype in _LOW_PRECISION else q.dtype
-    q_block = q.to(dtype)
-    k_block, v_block = k, v
     ring = [(i, (i + 1) % n) for i in range(n)]  # device i sends its block to device i + 1
     index = axis_index(axes)
+    if causal and zigzag:
+        if t_q != t_k or t_q % 2:
+            raise ShapeError(
+                explain(
+                    f"{where}(q, k)",
+                    "a zigzag block is two chunks of one sequence, queries and keys alike",
+                    expected="as many queries as keys per device, an even number",
+                    got=f"{t_q} queries and {t_k} keys",
+                    fix="split a sequence of 2 * n * c tokens (pad it), or use zigzag=False",
+                )
+            )
+        return _zigzag(q, k, v, axes, ring, index, scale, dtype)
     if causal:
         q_positions = index * t_q + torch.arange(t_q, device=q.device)
         k_offsets = torch.arange(t_k, device=q.device)
-    running_max = torch.full((*q.shape[:-1], 1), -torch.inf, dtype=dtype, device=q.device)
-    total = torch.zeros((*q.shape[:-1], 1), dtype=dtype, device=q.device)
-    weighted = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype, device=q.device)
+    q_block = q.to(dtype)
+    state = _start(q_block, v)
+    k_block, v_block = k, v
     for step in range(n):
-        k_step, v_step = k_block.to(dtype), v_block.to(dtype)
         hidden = None
         if causal:  # the block came from device index - step: its global key positions
             k_positions = ((index - step) % n) * t_k + k_offsets
             hidden = k_positions.unsqueeze(-2) > q_positions.unsqueeze(-1)  # (T_q, T_k)
-        sums, block, running_max, rescale, _ = _Block.apply(
-            q_block, k_step, v_step, running_max, hidden, scale
-        )
-        total = total * rescale + sums
-        weighted = weighted * rescale + block
+        state = _fold(state, q_block, k_block.to(dtype), v_block.to(dtype), hidden, scale)
         if step < n - 1:
             k_block = ppermute(k_block, axes, ring)
             v_block = ppermute(v_block, axes, ring)
+    return _finish(state).to(q.dtype)
+
+
+def _zigzag(q, k, v, axes, ring, index, scale, dtype) -> torch.Tensor:
+    """Causal ring attention on zigzag blocks: ``q_a``, ``q_b`` are the queries of chunks ``i``
+    and ``2n - 1 - i``; the block from device ``j`` holds key chunks ``j`` and ``2n - 1 - j``.
+
+    ======================  =====================================  ========================
+    step                    visible (chunk pairs)                  hidden, skipped
+    ======================  =====================================  ========================
+    0 (``j = i``)           ``q_a k_a``, ``q_b k_b`` (diagonal),   ``q_a k_b``
+                            ``q_b k_a``
+    ``j < i`` (``s <= i``)  ``q_b k_a``, ``q_a k_a``               ``q_a k_b``, ``q_b k_b``
+    ``j > i`` (``s > i``)   ``q_b k_a``, ``q_b k_b``               ``q_a k_a``, ``q_a k_b``
+    ======================  =====================================  ========================
+
+    After step 0 every pair is wholly visible or wholly hidden, and each device computes two
+    of its four: ``q_b k_a`` and one chosen by ``where`` on the device index (no mask).
+    """
+    n = len(ring)
+    c = q.shape[-2] // 2
+    q_a, q_b = q.to(dtype).split(c, dim=-2)
+    diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)  # key after query
+    state_a, state_b = _start(q_a, v), _start(q_b, v)
+    k_block, v_block = k, v
+    for step in range(n):
+        k_a, k_b = k_block.to(dtype).split(c, dim=-2)
+        v_a, v_b = v_block.to(dtype).split(c, dim=-2)
+        if step == 0:
+            state_a = _fold(state_a, q_a, k_a, v_a, diagonal, scale)
+            state_b = _fold(state_b, q_b, k_a, v_a, None, scale)
+            state_b = _fold(state_b, q_b, k_b, v_b, diagonal, scale)
+        else:
+            state_b = _fold(state_b, q_b, k_a, v_a, None, scale)
+            earlier = index >= step  # the block is from device j < i: q_a sees k_a, else q_b sees k_b
+
+            def pick(x, y, earlier=earlier):
+                return torch.where(earlier, x, y)
+
+            chosen = tuple(map(pick, state_a, state_b))
+            folded = _fold(chosen, pick(q_a, q_b), pick(k_a, k_b), pick(v_a, v_b), None, scale)
+            state_a = tuple(map(pick, folded, state_a))
+            state_b = tuple(map(pick, state_b, folded))
+        if step < n - 1:
+            k_block = ppermute(k_block, axes, ring)
+            v_block = ppermute(v_block, axes, ring)
+    return torch.cat([_finish(state_a), _finish(state_b)], dim=-2).to(q.dtype)
+
+
+def _start(q, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The online softmax's state before any key: ``(running_max, total, weighted)``."""
+    rows = (*q.shape[:-1], 1)
+    return (
+        torch.full(rows, -torch.inf, dtype=q.dtype, device=q.device),
+        torch.zeros(rows, dtype=q.dtype, device=q.device),
+        torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device),
+    )
+
+
+def _fold(state, q, k, v, hidden, scale):
+    """``state`` with the key block ``k``, ``v`` folded in."""
+    running_max, total, weighted = state
+    sums, block, running_max, rescale, _ = _Block.apply(q, k, v, running_max, hidden, scale)
+    return running_max, total * rescale + sums, weighted * rescale + block
+
+
+def _finish(state) -> torch.Tensor:
+    _, total, weighted = state
     # a row no key is visible to (none in self-attention) gets zeros, not 0 / 0
-    total = torch.where(total == 0, torch.ones_like(total), total)
-    return (weighted / total).to(q.dtype)
+    return weighted / torch.where(total == 0, torch.ones_like(total), total)
 
 
 class _Block(torch.autograd.Function):
