@@ -19,6 +19,7 @@ from backends import Backend
 from common import check
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
 
 import functional_dtensor as fd
 
@@ -43,14 +44,20 @@ def qkv(shape_q, shape_kv, v_dim, seed, dtype=torch.float64):
     return [t.requires_grad_() for t in (q, k, v)]
 
 
+def zigzag_order(length: int, n: int) -> torch.Tensor:
+    """The sequence positions in zigzag order: device i's block is chunks i and 2n - 1 - i."""
+    chunks = torch.arange(length).view(2 * n, -1)
+    return torch.cat([chunks[:n], chunks[n:].flip(0)], dim=1).flatten()
+
+
 def reference(q, k, v, cotangent, causal, scale):
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     return out.detach(), torch.autograd.grad(out, (q, k, v), cotangent)
 
 
-def ring(mesh, spec, axes, causal, scale):
+def ring(mesh, spec, axes, causal, scale, zigzag=False):
     def attend(q_block, k_block, v_block):
-        return fd.ring_attention(q_block, k_block, v_block, axes, causal=causal, scale=scale)
+        return fd.ring_attention(q_block, k_block, v_block, axes, causal=causal, scale=scale, zigzag=zigzag)
 
     return fd.shard_map(attend, mesh=mesh, in_specs=spec, out_specs=spec)
 
@@ -65,20 +72,24 @@ def ring(mesh, spec, axes, causal, scale):
     v_dim=st.integers(1, 4),
     causal=st.booleans(),
     scale=st.none() | st.floats(0.05, 3.0),
+    zigzag=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_values_and_gradients_equal_full_attention(
-    config, batch, heads, t_local, head_dim, v_dim, causal, scale, seed
+    config, batch, heads, t_local, head_dim, v_dim, causal, scale, zigzag, seed
 ):
+    """Zigzag blocks: the sequence is put in zigzag order before the ring and back after it."""
     mesh_shape, names, spec, axes, batch_devices, head_devices = config
     mesh = fd.simulated_mesh(mesh_shape, names)
     n = mesh.axis_size((axes,) if isinstance(axes, str) else axes)
-    shape = (batch * batch_devices, heads * head_devices, t_local * n, head_dim)
+    length = t_local * n * (2 if zigzag else 1)
+    shape = (batch * batch_devices, heads * head_devices, length, head_dim)
     q, k, v = qkv(shape, shape, v_dim, seed)
     cotangent = torch.randn((*shape[:-1], v_dim), dtype=torch.float64)
-    out = ring(mesh, spec, axes, causal, scale)(q, k, v)
+    order = zigzag_order(length, n) if zigzag else torch.arange(length)
+    out = ring(mesh, spec, axes, causal, scale, zigzag)(q[..., order, :], k[..., order, :], v[..., order, :])
     assert out.layout == fd.Layout.from_spec(mesh, spec)
-    got = out.full_tensor()
+    got = out.full_tensor()[..., order.argsort(), :]
     grads = torch.autograd.grad(got, (q, k, v), cotangent)
     expected, expected_grads = reference(q, k, v, cotangent, causal, scale)
     torch.testing.assert_close(got.detach(), expected)
@@ -125,6 +136,22 @@ def test_lower_precision_keeps_its_dtype(dtype):
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zigzag_halves_the_causal_work(n):
+    """Plain causal: n blocks of (2c, 2c) scores per device; zigzag: 3 chunk pairs of (c, c) at
+    the first step and 2 at each other, so (2n + 1) / 4n of the matmul flops; the same
+    ppermutes."""
+    mesh = fd.simulated_mesh(n, "cp")
+    q, k, v = (t.detach() for t in qkv((1, 2, 2 * n * 8, 16), (1, 2, 2 * n * 8, 16), 16, seed=n))
+    flops, events = {}, {}
+    for zigzag in (False, True):
+        with FlopCounterMode(display=False) as counter, fd.CommDebugMode() as comm:
+            ring(mesh, fd.P(None, None, "cp"), "cp", True, None, zigzag)(q, k, v)
+        flops[zigzag], events[zigzag] = counter.get_total_flops(), [(e.op, e.nbytes) for e in comm.events]
+    assert flops[True] * 4 * n == flops[False] * (2 * n + 1)
+    assert events[True] == events[False] == [("ppermute", 2 * 8 * 2 * 8 * 16)] * (2 * (n - 1))
 
 
 # --- communication ------------------------------------------------------------------------------
@@ -299,6 +326,11 @@ def test_errors_inside_shard_map():
     check(fd.InputTypeError, TypeError, mapped(attend, x.long(), x.long(), x.long()), "floating")
     wrong_axis = lambda q, k, v: fd.ring_attention(q, k, v, "sp")  # noqa: E731
     check(fd.AxisNameError, NameError, mapped(wrong_axis, x, x, x), "fd.ring_attention(axis_name)", "'sp'")
+    zigzag = lambda q, k, v: fd.ring_attention(q, k, v, "cp", causal=True, zigzag=True)  # noqa: E731
+    odd_blocks = torch.randn(1, 2, 6, 3)
+    check(
+        fd.ShapeError, ValueError, mapped(zigzag, odd_blocks, odd_blocks, odd_blocks), "3 queries and 3 keys"
+    )
     # the sequence does not split evenly over the ring: shard_map's own divisibility error
     odd = torch.randn(1, 2, 5, 3)
     check(fd.ShapeError, ValueError, mapped(attend, odd, odd, odd), "expected a multiple of 2")
