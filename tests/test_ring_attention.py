@@ -305,6 +305,32 @@ def test_gloo_ranks_give_the_simulated_result(backend, mesh, causal):
             torch.testing.assert_close(g, e)
 
 
+def job_zigzag(mesh, shape, seed: int) -> dict:
+    n = mesh.size
+    order = zigzag_order(shape[-2], n)
+    q, k, v = qkv(shape, shape, shape[-1], seed)
+    out = ring(mesh, fd.P(None, None, "x"), "x", True, None, zigzag=True)(
+        q[..., order, :], k[..., order, :], v[..., order, :]
+    )
+    full = out.full_tensor()[..., order.argsort(), :]
+    grads = torch.autograd.grad(full, (q, k, v), torch.ones_like(full))
+    return {"out": full.detach(), "grads": grads}
+
+
+@pytest.mark.meshes((2,), (4,))
+def test_zigzag_on_gloo_ranks_gives_the_simulated_result(backend, mesh):
+    shape = (1, 2, 4 * mesh.size, 3)
+    (simulated,) = Backend("simulated").run(job_zigzag, mesh.shape, mesh.names, shape, 13)
+    q, k, v = qkv(shape, shape, shape[-1], 13)
+    torch.testing.assert_close(
+        simulated["out"], F.scaled_dot_product_attention(q, k, v, is_causal=True).detach()
+    )
+    for got in backend.run(job_zigzag, mesh.shape, mesh.names, shape, 13):
+        torch.testing.assert_close(got["out"], simulated["out"])
+        for g, e in zip(got["grads"], simulated["grads"]):
+            torch.testing.assert_close(g, e)
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 
@@ -316,7 +342,7 @@ def test_errors_inside_shard_map():
     def mapped(f, *args):
         return lambda: fd.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_rep=False)(*args)
 
-    attend = lambda q, k, v: fd.ring_attention(q, k, v, "cp")  # noqa: E731
+    attend = lambda q, k, v: fd.ring_attention(q, k, v, "cp")
     check(
         fd.ShapeError, ValueError, mapped(attend, x, torch.randn(1, 3, 4, 3), x), "fd.ring_attention(q, k, v)"
     )
@@ -324,9 +350,9 @@ def test_errors_inside_shard_map():
     check(fd.ShapeError, ValueError, mapped(attend, x, x, torch.randn(1, 2, 2, 3)), "as many keys as values")
     check(fd.InputTypeError, TypeError, mapped(attend, x, x.double(), x), "torch.float32, torch.float64")
     check(fd.InputTypeError, TypeError, mapped(attend, x.long(), x.long(), x.long()), "floating")
-    wrong_axis = lambda q, k, v: fd.ring_attention(q, k, v, "sp")  # noqa: E731
+    wrong_axis = lambda q, k, v: fd.ring_attention(q, k, v, "sp")
     check(fd.AxisNameError, NameError, mapped(wrong_axis, x, x, x), "fd.ring_attention(axis_name)", "'sp'")
-    zigzag = lambda q, k, v: fd.ring_attention(q, k, v, "cp", causal=True, zigzag=True)  # noqa: E731
+    zigzag = lambda q, k, v: fd.ring_attention(q, k, v, "cp", causal=True, zigzag=True)
     odd_blocks = torch.randn(1, 2, 6, 3)
     check(
         fd.ShapeError, ValueError, mapped(zigzag, odd_blocks, odd_blocks, odd_blocks), "3 queries and 3 keys"
