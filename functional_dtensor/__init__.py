@@ -57,6 +57,7 @@ from ._parallelize import (
 )
 from ._placements import Partial, Placement, Replicate, Shard
 from ._redistribute import redistribute  # installs DTensor.redistribute
+from ._ring_attention import context_parallel, context_parallel_attention, ring_attention
 from ._shard_map import shard_map
 from ._spec import P
 from ._torch_ops import install as _install_torch_ops  # noqa: F401  (torch ops on fd.DTensor)
@@ -78,6 +79,9 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pvary",
+    "ring_attention",
+    "context_parallel",
+    "context_parallel_attention",
     "shard_map",
     "local_map",
     "AxisNameError",

@@ -40,6 +40,7 @@ FLOORS = {
         "_torch_ops",
         "_parallelize",
         "_optim",
+        "_ring_attention",
     ],
     "tools": ["_explain", "_comm_debug", "testing.*", "_demo", "__init__", "__main__"],
 }
