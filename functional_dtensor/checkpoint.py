@@ -15,9 +15,9 @@ the file.
 
 >>> import tempfile, torch, functional_dtensor as fd
 >>> state = {"w": fd.distribute_tensor(torch.arange(10.0), fd.simulated_mesh(2, "x"), fd.P("x")), "step": 3}
+>>> like = {"w": fd.zeros(10, mesh=fd.simulated_mesh(4, "x"), placements=fd.P(), device="meta"), "step": 0}
 >>> with tempfile.TemporaryDirectory() as tmp:
 ...     fd.checkpoint.save(f"{tmp}/ckpt", state)
-...     like = {"w": fd.zeros(10, mesh=fd.simulated_mesh(4, "x"), placements=fd.P(), device="meta"), "step": 0}
 ...     loaded = fd.checkpoint.load(f"{tmp}/ckpt", like)
 >>> loaded["step"], loaded["w"].placements, loaded["w"].full_tensor().tolist()
 (3, (Replicate(),), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
@@ -316,20 +316,21 @@ def _quiet_dcp():
         yield
 
 
-def _failure(error: CheckpointException, api: str, path: Path) -> CheckpointError:
-    """DCP's report of the ranks that failed, as our error (caused by the first failure)."""
+def _failure(error: CheckpointException, api: str, path: Path) -> tuple[CheckpointError, BaseException]:
+    """DCP's report of the ranks that failed, as our error, and the first failure (its cause)."""
     failures = getattr(error, "failures", {}) or {}
     rank, failure = next(iter(sorted(failures.items())), (None, None))
     cause = failure[0] if isinstance(failure, tuple) else failure
+    got = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
     return CheckpointError(
         explain(
             f"{api}({str(path)!r})",
             "torch.distributed.checkpoint failed" + ("" if rank is None else f" on rank {rank}"),
             expected="every process to write (or read) its part",
-            got=f"{type(cause).__name__}: {cause}" if cause is not None else str(error),
+            got=got,
             fix="see the cause above; a failed save leaves the previous checkpoint at the path",
         )
-    )
+    ), (cause if isinstance(cause, BaseException) else error)
 
 
 # --- files, checksums, the atomic move ----------------------------------------------------------
@@ -341,6 +342,12 @@ def _digest(file: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _checksum(manifest: dict) -> str:
+    """The SHA-256 of a manifest's content (its own checksum left out)."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _remove(path: Path) -> None:
@@ -450,7 +457,8 @@ def save(path: str | os.PathLike, state, /) -> None:
     except CheckpointException as error:
         if rank == 0:
             _remove(tmp)
-        raise _failure(error, api, path) from None
+        failure, cause = _failure(error, api, path)
+        raise failure from cause
     files = sorted(p.name for p in tmp.iterdir() if p.is_file())
     mine = {
         name: {"bytes": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)}
@@ -459,6 +467,7 @@ def save(path: str | os.PathLike, state, /) -> None:
     checksums = {}
     for part in _gathered(mine, collective):
         checksums.update(part)
+    failed = None
     if rank == 0:
         manifest = {
             "format": _FORMAT,
@@ -476,9 +485,24 @@ def save(path: str | os.PathLike, state, /) -> None:
             ],
             "files": checksums,
         }
-        _write_json(tmp / MANIFEST, manifest)
-        _move_into_place(tmp, path)
-    _barrier(collective)
+        try:
+            _write_json(tmp / MANIFEST, manifest | {"checksum": _checksum(manifest)})
+            _move_into_place(tmp, path)
+        except Exception as error:
+            failed = error
+    verdict = [None if failed is None else f"{type(failed).__name__}: {failed}"]
+    if collective:  # every rank returns, or raises, with rank 0
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(
+            explain(
+                f"{api}({str(path)!r})",
+                "writing the manifest or moving the checkpoint into place failed on rank 0",
+                expected="the new checkpoint at the path",
+                got=verdict[0],
+                fix="see the cause; the previous checkpoint is still at the path",
+            )
+        ) from failed
 
 
 # --- load ---------------------------------------------------------------------------------------
@@ -497,12 +521,17 @@ def _read_manifest(path: Path, api: str) -> dict:
                 fix = f"a save was interrupted while replacing the checkpoint: load {previous}"
         else:
             what, got = f"the checkpoint has no manifest ({MANIFEST})", "a directory without it"
-            fix = "load a checkpoint written by fd.checkpoint.save (the manifest is written last: a save that did not finish has none)"
+            fix = (
+                "load a checkpoint written by fd.checkpoint.save (the manifest is written last: "
+                "a save that did not finish has none)"
+            )
         raise CheckpointError(explain(where, what, expected=f"a directory with {MANIFEST}", got=got, fix=fix))
     try:
         manifest = json.loads(file.read_text("utf-8"))
         if manifest.get("format") != _FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}")
+        if manifest.get("checksum") != _checksum(manifest):
+            raise ValueError("its SHA-256 differs from the one written")
         return manifest
     except (ValueError, AttributeError) as error:
         raise CheckpointError(
@@ -645,7 +674,8 @@ def load(path: str | os.PathLike, like, /, *, verify: bool = True):
                 no_dist=not collective,
             )
     except CheckpointException as error:
-        raise _failure(error, api, path) from None
+        failure, cause = _failure(error, api, path)
+        raise failure from cause
     values = [buffers[leaf.key].value() if leaf.key in buffers else state_dict[leaf.key] for leaf in leaves]
     return optree.tree_unflatten(optree.tree_structure(like, none_is_leaf=True, namespace=NAMESPACE), values)
 

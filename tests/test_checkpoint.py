@@ -10,6 +10,7 @@ came back with that tensor.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def original(shape, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bits of ``t`` (torch.equal on floats would call -0.0 and 0.0 equal)."""
-    return t.view(torch.uint8) if t.dtype != torch.bool and t.numel() and t.dim() else t
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.bool and t.numel() and t.dim() else t
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -251,6 +252,48 @@ def test_full_state_file_on_gloo_ranks(gloo, tmp_path):
     assert all(same(a[1], original((3,), torch.bfloat16)) and a[2] == 2 for a in answers)
 
 
+def job_save_failing_on_rank(mesh, path: str, rank: int, scale: float) -> str | None:
+    """Save; on ``rank``, writing the data fails. The error each rank raised, if any."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    original_write = dcp.FileSystemWriter.write_data
+
+    def write_data(self, *args, **kwargs):
+        if dist.get_rank() == rank:
+            raise OSError(f"disk full on rank {rank}")
+        return original_write(self, *args, **kwargs)
+
+    dcp.FileSystemWriter.write_data = write_data
+    try:
+        ckpt.save(path, {"w": fd.distribute_tensor(original((9, 2)) * scale, mesh, fd.P("x"))})
+    except fd.CheckpointError as error:
+        return str(error)
+    finally:
+        dcp.FileSystemWriter.write_data = original_write
+    return None
+
+
+def job_load_or_error(mesh, path: str) -> torch.Tensor | str:
+    try:
+        like = {"w": fd.zeros(9, 2, mesh=mesh, placements=fd.P(None, "x"), device="meta")}
+        return ckpt.load(path, like)["w"].full_tensor()
+    except fd.CheckpointError as error:
+        return str(error)
+
+
+@pytest.mark.distributed
+def test_on_gloo_ranks_a_failed_save_keeps_the_previous_and_damage_is_seen_by_every_rank(gloo, tmp_path):
+    path, two = str(tmp_path / "ckpt"), Backend("gloo-2", gloo)
+    assert two.run(job_save_failing_on_rank, (2,), ("x",), path, -1, 1.0) == [None, None]
+    errors = two.run(job_save_failing_on_rank, (2,), ("x",), path, 1, 2.0)
+    assert all("failed on rank 1" in e and "disk full on rank 1" in e for e in errors), errors
+    assert all(same(w, original((9, 2))) for w in two.run(job_load_or_error, (2,), ("x",), path))
+    message = damage(tmp_path / "ckpt", "flipped")
+    answers = two.run(job_load_or_error, (2,), ("x",), path)
+    assert all(isinstance(a, str) and re.search(message, a) for a in answers), answers
+
+
 # ---------------------------------------------------------------------------------------------
 # Full-state files on the simulated backend.
 
@@ -358,13 +401,19 @@ def damage(path, how: str) -> str:
     if how == "no manifest":
         (path / ckpt.MANIFEST).unlink()
         return "no manifest"
+    if how == "edited manifest":
+        text = (path / ckpt.MANIFEST).read_text()
+        (path / ckpt.MANIFEST).write_text(text.replace('"step"', '"steps"', 1))
+        return "manifest .* is not readable: .*SHA-256 differs"
     if how == "bad manifest":
         (path / ckpt.MANIFEST).write_text("{")
         return "manifest .* is not readable"
     raise AssertionError(how)
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped", "no metadata", "no manifest", "bad manifest"])
+@pytest.mark.parametrize(
+    "how", ["truncated", "flipped", "no metadata", "no manifest", "edited manifest", "bad manifest"]
+)
 def test_a_damaged_checkpoint_is_a_clear_error_naming_the_file(tmp_path, how):
     path = tmp_path / "ckpt"
     ckpt.save(path, small_state())
