@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ._backend import backend_of, is_transformed
-from ._dtensor import DTensor, distribute_tensor, from_local, storage_of, without_partial
+from ._dtensor import DTensor, check_tensor, distribute_tensor, from_local, storage_of, without_partial
 from ._errors import CheckpointError, InputTypeError, MeshError, explain
 from ._shard_map import NAMESPACE
 from ._sharding import shard_table
@@ -109,6 +109,15 @@ def _leaves(state, root: str, api: str) -> tuple[list[_Leaf], str]:
     return leaves, str(spec)
 
 
+def _plain(leaf: _Leaf, api: str) -> torch.Tensor:
+    """A tensor leaf, refused if it is a torch DTensor (not a value of this library)."""
+    fix = (
+        "make it an fd.DTensor (fd.from_local(x.to_local(), mesh, placements, shape=tuple(x.shape))), "
+        "or checkpoint torch DTensors with torch.distributed.checkpoint itself"
+    )
+    return check_tensor(leaf.value, f"{api}({leaf.where})", torch_dtensor_fix=fix)
+
+
 def _check_leaf(leaf: _Leaf, api: str) -> None:
     """Raise unless ``leaf`` can be saved: a value outside every transform, with memory."""
     value = leaf.value
@@ -124,7 +133,7 @@ def _check_leaf(leaf: _Leaf, api: str) -> None:
         )
     if leaf.kind == "object":
         return
-    tensor = storage_of(value) if leaf.kind == "dtensor" else value
+    tensor = storage_of(value) if leaf.kind == "dtensor" else _plain(leaf, api)
     if tensor.is_meta:
         raise InputTypeError(
             explain(
@@ -663,6 +672,7 @@ def load(path: str | os.PathLike, like, /, *, verify: bool = True):
             buffers[leaf.key] = _Buffers(leaf.value)
             state_dict[leaf.key] = buffers[leaf.key].chunks
         else:
+            _plain(leaf, api)
             device = "cpu" if leaf.value.is_meta else leaf.value.device
             state_dict[leaf.key] = torch.empty(leaf.value.shape, dtype=leaf.value.dtype, device=device)
     try:
