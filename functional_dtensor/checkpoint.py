@@ -281,7 +281,8 @@ class _Buffers:
     def value(self) -> DTensor:
         blocks = self.chunks.blocks
         shards = [blocks[self.offsets[d]] for d in self.devices or range(self.layout.mesh.size)]
-        local = shards if self.devices is None else shards[0]
+        # one tensor: this rank's shard, or (replicated) the block every device holds, held once
+        local = shards if self.devices is None and len(blocks) > 1 else shards[0]
         value = from_local(local, self.layout.mesh, self.layout, shape=tuple(self.like.shape), copy=False)
         return value if self.layout == self.like.layout else value.redistribute(self.like.layout)
 
