@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from ._backend import backend_of, is_transformed
 from ._dtensor import DTensor, check_tensor, distribute_tensor, from_local, storage_of, without_partial
 from ._errors import CheckpointError, InputTypeError, MeshError, explain
+from ._layout import Layout
 from ._shard_map import NAMESPACE
 from ._sharding import shard_table
 
@@ -279,12 +280,28 @@ class _Buffers:
         self.chunks = _Chunks(shape, blocks)
 
     def value(self) -> DTensor:
-        blocks = self.chunks.blocks
-        shards = [blocks[self.offsets[d]] for d in self.devices or range(self.layout.mesh.size)]
-        # one tensor: this rank's shard, or (replicated) the block every device holds, held once
-        local = shards if self.devices is None and len(blocks) > 1 else shards[0]
-        value = from_local(local, self.layout.mesh, self.layout, shape=tuple(self.like.shape), copy=False)
-        return value if self.layout == self.like.layout else value.redistribute(self.like.layout)
+        blocks, like = self.chunks.blocks, self.like
+        devices = self.devices or range(self.layout.mesh.size)
+        shards = [blocks[self.offsets[d]] for d in devices]
+        if like.layout.has_partial:
+            shards = [_part(shard, like.layout, d) for shard, d in zip(shards, devices)]
+        elif self.devices is None and len(blocks) == 1:  # replicated: held once
+            shards = shards[:1]
+        local = shards if len(shards) > 1 else shards[0]
+        return from_local(local, self.layout.mesh, like.layout, shape=tuple(like.shape), copy=False)
+
+
+def _part(block: torch.Tensor, layout: Layout, device: int) -> torch.Tensor:
+    """Device ``device``'s part of ``block`` in a layout with Partial axes, reducing to the block
+    exactly: for a sum, the block on the first device of each Partial(sum) axis and zeros
+    elsewhere (-0.0 for floats, which adds to any value exactly); for avg, max and min, the block
+    itself (an avg rounds as its mean does)."""
+    coordinate = layout.mesh.coordinate(device)
+    for c, placement in zip(coordinate, layout.placements):
+        if placement.is_partial() and placement.op == "sum" and c != 0:
+            zero = -0.0 if block.is_floating_point() or block.is_complex() else 0
+            return torch.full_like(block, zero)
+    return block
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -647,7 +664,9 @@ def load(path: str | os.PathLike, like, /, *, verify: bool = True):
     ``like`` is a pytree of the saved structure whose leaves say what to build: an
     ``fd.DTensor`` (a meta value is enough: ``fd.zeros(..., device="meta")``) gives the mesh and
     layout of the value returned, on either backend, whatever mesh and layout it was saved from;
-    a tensor gives a tensor of its device; any other leaf a Python value, the saved one. Shapes
+    a tensor gives a tensor of its device; any other leaf a Python value, the saved one. (A
+    Partial layout gets the value on the first device of each ``Partial("sum")`` axis and zeros
+    on the others; for avg, max and min the value on every device.) Shapes
     and dtypes must be the saved ones. ``like`` is not changed. On the distributed backend call
     it on every rank: each reads only the parts of the files its shards need.
 
