@@ -483,3 +483,27 @@ def test_containers_must_match(tmp_path):
     ):
         ckpt.load(tmp_path / "ckpt", {"pair": [0, 0]})
     assert ckpt.load(tmp_path / "ckpt", {"pair": (0, 0)}) == {"pair": (1, 2)}
+
+
+def test_edge_states_a_single_value_nothing_empty_tensors(tmp_path):
+    x = fd.distribute_tensor(original((5,)), fd.simulated_mesh(2, "x"), fd.P("x"))
+    ckpt.save(tmp_path / "one", x)
+    assert same(ckpt.load(tmp_path / "one", x).full_tensor(), original((5,)))
+    ckpt.save(tmp_path / "none", {})
+    assert ckpt.load(tmp_path / "none", {}) == {}
+    empty = fd.zeros(0, 3, mesh=fd.simulated_mesh(4, "x"), placements=fd.P("x"))
+    ckpt.save(tmp_path / "empty", {"e": empty, "t": torch.ones(0, 2)})
+    like = {
+        "e": fd.zeros(0, 3, mesh=fd.simulated_mesh(2, "x"), placements=fd.P(None, "x")),
+        "t": torch.ones(0, 2),
+    }
+    loaded = ckpt.load(tmp_path / "empty", like)
+    assert loaded["e"].shape == (0, 3) and loaded["t"].shape == (0, 2)
+
+
+def test_paths_that_join_to_the_same_key_are_refused(tmp_path):
+    with pytest.raises(
+        fd.CheckpointError, match=r"same checkpoint key 'a.b'.*state\['a'\]\['b'\] and state\['a.b'\]"
+    ):
+        ckpt.save(tmp_path / "ckpt", {"a.b": 1, "a": {"b": 2}})
+    assert not (tmp_path / "ckpt").exists()
