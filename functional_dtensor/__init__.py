@@ -6,7 +6,7 @@ same program runs on the simulated backend (every device in one process) and on
 ``torch.distributed``.
 """
 
-from . import random
+from . import checkpoint, random
 from ._collectives import (
     all_gather,
     all_to_all,
@@ -26,6 +26,7 @@ from ._dtensor import DTensor, distribute_tensor, from_local
 from ._errors import (
     AxisNameError,
     BatchedFunctionError,
+    CheckpointError,
     CommunicationError,
     FunctionalDTensorError,
     ImmutableError,
@@ -86,6 +87,7 @@ __all__ = [
     "local_map",
     "AxisNameError",
     "BatchedFunctionError",
+    "CheckpointError",
     "CommunicationError",
     "DTensor",
     "DeviceMesh",
@@ -104,6 +106,7 @@ __all__ = [
     "SpecError",
     "distribute_tensor",
     "empty",
+    "checkpoint",
     "explain",
     "explain_redistribute",
     "OpReport",

@@ -20,6 +20,7 @@ __all__ = [
     "CommunicationError",
     "ImmutableError",
     "BatchedFunctionError",
+    "CheckpointError",
     "explain",
 ]
 
@@ -74,6 +75,12 @@ class ImmutableError(FunctionalDTensorError, RuntimeError, AttributeError):
 class BatchedFunctionError(FunctionalDTensorError, RuntimeError):
     """The per-device function reads a value into Python (``.item()``, ``if x > 0:``) on the
     simulated backend, where it runs once, batched over every device."""
+
+
+@public
+class CheckpointError(FunctionalDTensorError, ValueError):
+    """A checkpoint is missing, incomplete or corrupted, does not fit the values it is loaded
+    into (``like``), or could not be written."""
 
 
 def explain(where: str, what: str, *, expected: str, got: str, fix: str) -> str:
