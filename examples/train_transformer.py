@@ -17,6 +17,7 @@ import argparse
 import copy
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import rich
@@ -101,12 +102,21 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))
 
 
-VARIANTS = ("tp", "sp", "fsdp", "sp+fsdp")
+VARIANTS = ("tp", "sp", "fsdp", "sp+fsdp", "cp")
+
+
+def axes_of(variant: str) -> tuple[str, str]:
+    """The mesh's axis names: the batch over "dp", and "tp" (tensor parallel) or, for the
+    context-parallel variant, "cp" (the sequence split, attention by ring)."""
+    return ("dp", "cp") if variant == "cp" else ("dp", "tp")
 
 
 def plan_for(variant: str) -> dict:
     """The plan of one variant: tensor parallel over "tp" (the batch over "dp" comes from the
-    data), optionally with sequence parallelism and FSDP-style sharding over "dp"."""
+    data), optionally with sequence parallelism and FSDP-style sharding over "dp"; context
+    parallel: every parameter replicated, the sequence split over "cp" by the data."""
+    if variant == "cp":
+        return {}
     sp = "sp" in variant.split("+")
     seq = S(1) if sp else R
     plan = {
@@ -173,10 +183,11 @@ def train_sharded(
     params = sharded.params
     opt = fd.Optimizer(torch.optim.AdamW, params, lr=lr)
     losses = []
+    data = fd.P("dp", "cp") if variant == "cp" else fd.P("dp")
     for tokens, targets in batches(cfg, steps):
-        with fd.CommDebugMode() as comm:
-            tokens_d = fd.distribute_tensor(tokens, mesh, fd.P("dp"))
-            targets_d = fd.distribute_tensor(targets, mesh, fd.P("dp"))
+        with fd.CommDebugMode() as comm, fd.context_parallel("cp") if variant == "cp" else nullcontext():
+            tokens_d = fd.distribute_tensor(tokens, mesh, data)
+            targets_d = fd.distribute_tensor(targets, mesh, data)
             loss = loss_of(sharded.apply(params, tokens_d), targets_d)
             grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
             grads, _ = fd.clip_grad_norm(grads, 1.0)
@@ -205,9 +216,9 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     model = Transformer(cfg)
     if args.backend == "distributed":
-        mesh = fd.init_device_mesh("cpu", (2, 2), ("dp", "tp"))
+        mesh = fd.init_device_mesh("cpu", (2, 2), axes_of(args.variant))
     else:
-        mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+        mesh = fd.simulated_mesh((2, 2), axes_of(args.variant))
     talk = args.backend == "simulated" or int(os.environ.get("RANK", "0")) == 0
     reference, trained = train_single(model, cfg, args.steps)
     losses, params, comm, opt = train_sharded(model, cfg, mesh, args.variant, args.steps)

@@ -119,6 +119,7 @@ class Optimizer:
                 )
         self._layouts = [(leaf.layout, leaf.shape, leaf.dtype) for leaf in leaves]
         self._tensors = [self._distinct(leaf).detach().clone() for leaf in leaves]
+        self._options = options
         self.optimizer = optimizer(self._tensors, **options)
 
     def __repr__(self) -> str:
@@ -193,7 +194,20 @@ class Optimizer:
         """The optimizer's state: ``{"state": {parameter path: {name: fd.DTensor or
         tensor}}, "param_groups": [...]}``, each state tensor shaped like its parameter laid
         out like it (a scalar such as ``step`` as a plain tensor)."""
-        inner = self.optimizer.state_dict()
+        return self._as_values(self.optimizer.state_dict())
+
+    def state_template(self) -> dict:
+        """A state of this optimizer's structure and layouts, as :meth:`state_dict` gives it
+        after a step (its values placeholders): the ``like`` of a saved state for
+        :func:`fd.checkpoint.load`, before this optimizer has stepped."""
+        probe = type(self.optimizer)([t.detach().clone() for t in self._tensors], **self._options)
+        with torch.no_grad():
+            for tensor in probe.param_groups[0]["params"]:
+                tensor.grad = torch.zeros_like(tensor)
+            probe.step()
+        return self._as_values(probe.state_dict())
+
+    def _as_values(self, inner: dict) -> dict:
         state = {}
         for index, entries in inner["state"].items():
             layout, shape, _ = self._layouts[index]

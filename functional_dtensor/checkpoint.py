@@ -44,7 +44,15 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ._backend import backend_of, is_transformed
-from ._dtensor import DTensor, check_tensor, distribute_tensor, from_local, storage_of, without_partial
+from ._dtensor import (
+    DTensor,
+    check_tensor,
+    distribute_tensor,
+    from_local,
+    new_value,
+    storage_of,
+    without_partial,
+)
 from ._errors import CheckpointError, InputTypeError, MeshError, explain
 from ._layout import Layout
 from ._shard_map import NAMESPACE
@@ -288,7 +296,11 @@ class _Buffers:
         elif self.devices is None and len(blocks) == 1:  # replicated: held once
             shards = shards[:1]
         local = shards if len(shards) > 1 else shards[0]
-        return from_local(local, self.layout.mesh, like.layout, shape=tuple(like.shape), copy=False)
+        value = from_local(local, self.layout.mesh, like.layout, shape=tuple(like.shape), copy=False)
+        if not like.requires_grad:
+            return value
+        # a leaf needing a gradient where the like leaf does (a model's parameters)
+        return new_value(storage_of(value).detach().requires_grad_(), value.layout, value.shape)
 
 
 def _part(block: torch.Tensor, layout: Layout, device: int) -> torch.Tensor:
@@ -666,8 +678,9 @@ def load(path: str | os.PathLike, like, /, *, verify: bool = True):
     layout of the value returned, on either backend, whatever mesh and layout it was saved from;
     a tensor gives a tensor of its device; any other leaf a Python value, the saved one. (A
     Partial layout gets the value on the first device of each ``Partial("sum")`` axis and zeros
-    on the others; for avg, max and min the value on every device.) Shapes
-    and dtypes must be the saved ones. ``like`` is not changed. On the distributed backend call
+    on the others; for avg, max and min the value on every device.) A value needs a gradient
+    where its ``like`` leaf does (load a model's parameters like the parameters). Shapes and
+    dtypes must be the saved ones. ``like`` is not changed. On the distributed backend call
     it on every rank: each reads only the parts of the files its shards need.
 
     With ``verify`` (the default) every file is first checked against the manifest (its size

@@ -47,7 +47,7 @@ def job_train(mesh, variant: str, tied: bool) -> dict:
     }
 
 
-CASES = [("tp", False), ("sp", False), ("fsdp", False), ("sp+fsdp", False), ("sp+fsdp", True)]
+CASES = [("tp", False), ("sp", False), ("fsdp", False), ("sp+fsdp", False), ("sp+fsdp", True), ("cp", False)]
 
 
 @pytest.mark.meshes((2, 2))
@@ -56,7 +56,7 @@ def test_training_equals_one_device(backend, mesh, variant, tied):
     cfg = SMALL if not tied else tt.Config(**{**SMALL.__dict__, "tied": True})
     reference, trained = tt.train_single(_model(cfg), cfg, STEPS)
     expected = dict(trained.named_parameters())
-    for got in backend.run(job_train, (2, 2), ("dp", "tp"), variant, tied, timeout=120):
+    for got in backend.run(job_train, (2, 2), tt.axes_of(variant), variant, tied, timeout=120):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference), rtol=1e-5, atol=1e-5)
         assert got["params"].keys() == expected.keys()
         for name, value in got["params"].items():
@@ -64,6 +64,8 @@ def test_training_equals_one_device(backend, mesh, variant, tied):
         assert len(got["exp_avg"]) == len(expected)
         if "fsdp" in variant:  # every parameter sharded over dp
             assert all("dp" in layout for layout in got["layouts"].values()), got["layouts"]
+        if variant == "cp":  # attention went round the ring: the parameters stay replicated
+            assert set(got["layouts"].values()) == {"P()"}, got["layouts"]
     assert reference[-1] < reference[0]  # it learns
 
 
@@ -375,3 +377,57 @@ def test_bad_optimizer_inputs_are_clear_errors():
         opt.step(params, {"w": torch.ones(4, 2)})
     with pytest.raises(fd.InputTypeError, match="fd.DTensor"):
         fd.clip_grad_norm({"w": torch.ones(2)}, 1.0)
+
+
+# --- checkpoints of a training run ------------------------------------------------------------
+
+
+def _steps(apply, params, opt, mesh, batches) -> tuple[list[float], dict]:
+    losses = []
+    for tokens, targets in batches:
+        tokens_d = fd.distribute_tensor(tokens, mesh, fd.P("dp"))
+        targets_d = fd.distribute_tensor(targets, mesh, fd.P("dp"))
+        loss = tt.loss_of(apply(params, tokens_d), targets_d)
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+        grads, _ = fd.clip_grad_norm(grads, 1.0)
+        params = opt.step(params, grads)
+        losses.append(loss.item())
+    return losses, params
+
+
+def job_resume(mesh, path: str) -> dict:
+    """Load a checkpoint of two steps of ``sp+fsdp`` onto the ``tp`` layout, and train on."""
+    sharded = fd.parallelize_module(_model(SMALL), mesh, tt.plan_for("tp"))
+    opt = fd.Optimizer(torch.optim.AdamW, sharded.params, lr=1e-2)
+    like = {"params": sharded.params, "optim": opt.state_template(), "step": 0}
+    loaded = fd.checkpoint.load(path, like)
+    opt.load_state_dict(loaded["optim"])
+    batches = list(tt.batches(SMALL, 4))[loaded["step"] :]
+    losses, params = _steps(sharded.apply, loaded["params"], opt, mesh, batches)
+    return {
+        "losses": losses,
+        "params": {name: p.full_tensor() for name, p in params.items()},
+        "loaded": {name: loaded["params"][name].spec == p.spec for name, p in sharded.params.items()},
+    }
+
+
+@pytest.mark.meshes((2, 2))
+def test_a_checkpoint_resumes_training_on_another_layout_and_backend(backend, mesh, tmp_path):
+    """Two steps under sp+fsdp on the simulated mesh, saved (parameters, AdamW state, step);
+    loaded onto the tensor-parallel layout (simulated, or 4 gloo ranks) for two more steps:
+    the same losses and parameters as four steps on one device."""
+    reference, trained = tt.train_single(_model(SMALL), SMALL, 4)
+    simulated = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    sharded = fd.parallelize_module(_model(SMALL), simulated, tt.plan_for("sp+fsdp"))
+    opt = fd.Optimizer(torch.optim.AdamW, sharded.params, lr=1e-2)
+    first, params = _steps(sharded.apply, sharded.params, opt, simulated, list(tt.batches(SMALL, 2)))
+    path = str(tmp_path / "ckpt")
+    fd.checkpoint.save(path, {"params": params, "optim": opt.state_dict(), "step": 2})
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(reference[:2]), rtol=1e-5, atol=1e-5)
+    for got in backend.run(job_resume, (2, 2), ("dp", "tp"), path, timeout=120):
+        assert all(got["loaded"].values())
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(reference[2:]), rtol=1e-5, atol=1e-5
+        )
+        for name, p in trained.named_parameters():
+            torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
