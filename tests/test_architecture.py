@@ -39,7 +39,7 @@ FLOORS = {
         "_global_ops",
         "_torch_ops",
     ],
-    "tools": ["_explain", "_comm_debug", "testing.*", "_demo", "__init__", "__main__"],
+    "tools": ["_explain", "_comm_debug", "_interop", "testing.*", "_demo", "__init__", "__main__"],
 }
 FUNCTORCH_HOME = "_simulated.functorch"
 BACKEND_HOME = "_backend"
