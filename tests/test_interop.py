@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from backends import Mesh, coordinates
+from backends import Mesh, all_specs, coordinates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor as TorchDTensor
@@ -274,6 +274,24 @@ def test_drawn_layouts_round_trip_with_torchs_global_value(backend, mesh, data):
             if got["full"] is not None:
                 torch.testing.assert_close(got["full"], value_of(shape, seed))
             torch.testing.assert_close(got["y_full"], value_of(shape, seed))
+
+
+@pytest.mark.meshes((2, 2), (4,))
+def test_every_spec_round_trips_even_and_uneven(backend, mesh):
+    """Every spec of a 2-d value (each axis splits a dim or none, a dim's axes in every order),
+    on an even and an uneven shape."""
+    items = [
+        (shape, layout.placements, layout.shard_order, seed)
+        for seed, shape in enumerate([(4, 8), (5, 7)])
+        for spec in all_specs(mesh.names, 2)
+        for layout in [fd.Layout.from_spec(mesh.simulated(), spec)]
+    ]
+    assert any(item[2] for item in items) == (len(mesh.shape) > 1)
+    for result in backend.run(job_round_trip, mesh.shape, mesh.names, items):
+        for (shape, *_, seed), got in zip(items, result, strict=True):
+            assert got["layout"] and got["placements"] and got["shards"] and got["torch_shards"]
+            if got["full"] is not None:
+                torch.testing.assert_close(got["full"], value_of(shape, seed))
 
 
 def job_strided_blocks(mesh) -> dict:
