@@ -410,6 +410,43 @@ def job_meshes_on_4() -> dict:
     return job_meshes(fd.init_device_mesh("cpu", (2, 2), ("x", "y")))
 
 
+def job_torch_made() -> dict:
+    """A mesh and a value torch made alone: fd builds its own groups for the mesh, once, and
+    reads the value's shards (FSDP2-style strided rows, uneven columns)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor as torch_distribute
+
+    torch_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rows", "cols"))
+    mesh = fd.from_torch(torch_mesh)
+    t = value_of((8, 5), 7)
+    placements = [_StridedShard(0, split_factor=2), TorchShard(0)]
+    strided = torch_distribute(t, torch_mesh, [TorchShard(0), TorchShard(0)]).redistribute(
+        torch_mesh, [TorchReplicate(), TorchReplicate()]
+    )
+    made = TorchDTensor.from_local(
+        fd.distribute_tensor(t, mesh, fd.P(("cols", "rows"))).to_local(), torch_mesh, placements
+    )
+    columns = torch_distribute(t, torch_mesh["cols"], [TorchShard(1)])
+    return {
+        "mesh": (mesh.shape, mesh.axis_names, mesh.backend),
+        "again": fd.from_torch(torch_mesh) == mesh and fd.from_torch(torch_mesh["cols"]) == mesh["cols"],
+        "strided": (fd.from_torch(made).spec, fd.from_torch(made).full_tensor()),
+        "replicated": fd.from_torch(strided).full_tensor(),
+        "columns": (fd.from_torch(columns).spec, fd.from_torch(columns).full_tensor()),
+    }
+
+
+@pytest.mark.distributed
+def test_a_mesh_and_values_torch_made_alone_come_over(gloo):
+    t = value_of((8, 5), 7)
+    for result in gloo.run(4, job_torch_made):
+        assert result["mesh"] == ((2, 2), ("rows", "cols"), "distributed") and result["again"]
+        assert result["strided"][0] == fd.P(("cols", "rows"))
+        assert result["columns"][0] == fd.P(None, "cols")
+        for value in (result["strided"][1], result["replicated"], result["columns"][1]):
+            torch.testing.assert_close(value, t)
+
+
 def job_gradients(mesh) -> dict:
     """Both conversions keep the graph: a loss computed by torch on the converted value
     differentiates back to the global tensor given to fd, and one computed by fd on a torch
