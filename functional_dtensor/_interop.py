@@ -10,6 +10,7 @@ On the distributed backend the torch mesh of an fd mesh is the one whose process
 its collectives on, and a torch ``DTensor`` wraps this rank's shard. On the simulated backend a
 torch ``DTensor`` holds every device's shard in a ``LocalTensor`` (torch's own simulation of
 SPMD ranks in one process), which needs a ``"fake"`` default process group of the mesh's size.
+Both ways, and on both backends, the conversions are differentiable.
 
 Values are copied by default, so that an ``fd.DTensor`` never shares memory a caller can change
 (a torch ``DTensor`` is a mutable tensor); ``copy=False`` shares the local storage both ways.
@@ -271,11 +272,11 @@ def to_torch(x, /, *, copy: bool = True):
     backend it is the torch mesh whose process groups fd runs on. A value keeps its global shape
     and layout: placement for placement, with ``_StridedShard`` for a dim split by several axes
     in another order than the mesh's. On the distributed backend the torch DTensor wraps this
-    rank's shard, differentiably (gradients flow back to ``x``); ``copy=False`` shares its
-    memory instead of copying it (then do not change the torch tensor in place: the fd value
-    would change). On the simulated backend it holds every device's shard in a torch
-    ``LocalTensor`` (not differentiable), which needs a ``"fake"`` default process group of the
-    mesh's size (see ``docs/concepts/interop.md``).
+    rank's shard; on the simulated backend every device's, in a torch ``LocalTensor`` (rank
+    ``k`` holding device ``k``'s shard), which needs a ``"fake"`` default process group of the
+    mesh's size (see ``docs/concepts/interop.md``). Differentiable: gradients flow back to
+    ``x``, each rank's to its shard. ``copy=False`` shares the shards' memory instead of
+    copying it (then do not change the torch tensor in place: the fd value would change).
     """
     api = "fd.to_torch"
     if isinstance(x, DeviceMesh):
@@ -303,12 +304,10 @@ def to_torch(x, /, *, copy: bool = True):
         return TorchDTensor.from_local(
             local, torch_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
         )
-    from torch.distributed._local_tensor import LocalTensor
-
     shards = x.local_shards()
-    held = {rank: (s.detach().clone() if copy else s.detach()) for rank, s in enumerate(shards)}
+    held = _IntoLocalTensor.apply(*[s.clone() if copy else s for s in shards])
     return TorchDTensor.from_local(
-        LocalTensor(held), torch_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+        held, torch_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
     )
 
 
@@ -320,10 +319,11 @@ def from_torch(t, /, *, copy: bool = True):
     such a mesh); on a ``"fake"`` process group it becomes a simulated mesh, otherwise a
     distributed one. A torch DTensor's ``_StridedShard`` placements become the order of a dim's
     axes (``fd.P(("tp", "dp"))``); a placement fd cannot represent is an ``fd.LayoutError``. On
-    the distributed backend the value holds this rank's shard, differentiably (gradients flow
-    back to ``t``); ``copy=False`` shares its memory instead of copying it (then do not change
-    ``t`` in place: the fd value would change). A ``LocalTensor``-backed DTensor becomes a
-    simulated value (not differentiable).
+    the distributed backend the value holds this rank's shard; a ``LocalTensor``-backed
+    DTensor (a fake process group) becomes a simulated value holding every rank's.
+    Differentiable: gradients flow back to ``t``. ``copy=False`` shares the distributed shard's
+    memory instead of copying it (then do not change ``t`` in place: the fd value would
+    change); a simulated value stacks the shards, a copy either way.
     """
     api = "fd.from_torch"
     from torch.distributed.device_mesh import DeviceMesh as TorchMesh
@@ -352,7 +352,7 @@ def from_torch(t, /, *, copy: bool = True):
     shape = tuple(t.shape)
     if not backend_of(mesh).stacked:
         return from_local(t.to_local(), mesh, layout, shape=shape, copy=copy)
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
+    local = t.to_local()
     shards = getattr(local, "_local_tensors", None)
     if shards is None or set(shards) != set(range(mesh.size)):
         raise MeshError(
@@ -364,4 +364,47 @@ def from_torch(t, /, *, copy: bool = True):
                 fix="build it under torch's LocalTensorMode, or fd.to_torch an fd value on a simulated mesh",
             )
         )
-    return from_local([shards[k] for k in range(mesh.size)], mesh, layout, shape=shape, copy=copy)
+    return from_local(list(_OutOfLocalTensor.apply(local)), mesh, layout, shape=shape, copy=copy)
+
+
+class _IntoLocalTensor(torch.autograd.Function):
+    """Every device's shard, in flat mesh order, into one ``LocalTensor`` (rank ``k`` holding
+    device ``k``'s), sharing their memory; the gradient of rank ``k`` goes to shard ``k``, as
+    each rank's own gradient does on the distributed backend."""
+
+    @staticmethod
+    def forward(*shards):
+        from torch.distributed._local_tensor import LocalTensor
+
+        return LocalTensor({rank: shard.detach() for rank, shard in enumerate(shards)})
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(grad._local_tensors[rank] for rank in range(len(grad._local_tensors)))
+
+
+class _OutOfLocalTensor(torch.autograd.Function):
+    """The inverse of :class:`_IntoLocalTensor`: a ``LocalTensor``'s tensors, in rank order."""
+
+    @staticmethod
+    def forward(local):
+        return tuple(local._local_tensors[rank].detach() for rank in range(len(local._local_tensors)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in output]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from torch.distributed._local_tensor import LocalTensor
+
+        return LocalTensor(
+            {
+                rank: torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
+                for rank, (grad, (shape, dtype, device)) in enumerate(zip(grads, ctx.shapes))
+            }
+        )

@@ -450,34 +450,46 @@ def test_a_mesh_and_values_torch_made_alone_come_over(gloo):
 def job_gradients(mesh) -> dict:
     """Both conversions keep the graph: a loss computed by torch on the converted value
     differentiates back to the global tensor given to fd, and one computed by fd on a torch
-    DTensor's conversion back to the torch leaf."""
+    DTensor's conversion back to the torch leaf (replicated, sharded, strided)."""
     from torch.distributed.tensor import distribute_tensor as torch_distribute
 
-    t = value_of((6, 4), 3).requires_grad_()
-    tt = fd.to_torch(fd.distribute_tensor(t, mesh, fd.P(None, mesh.axis_names)))
-    (tt.full_tensor() ** 2).sum().backward()
-    leaf = torch_distribute(value_of((8, 4), 4), fd.to_torch(mesh), [TorchShard(0)] * mesh.ndim)
-    leaf.requires_grad_()
-    y = fd.from_torch(leaf)
-    (y.full_tensor() ** 3).sum().backward()
-    return {"t": t.grad, "leaf": leaf.grad.full_tensor()}
+    out = {}
+    with torch_world(mesh):
+        for name, spec in [
+            ("R", fd.P()),
+            ("S", fd.P(mesh.axis_names[-1])),
+            ("SS", fd.P(mesh.axis_names[::-1])),
+        ]:
+            t = value_of((8, 4), 3).requires_grad_()
+            x = fd.distribute_tensor(t, mesh, spec)
+            tt = fd.to_torch(x)
+            with torch_ops(mesh):
+                (tt.full_tensor() ** 2).sum().backward()
+                leaf = torch_distribute(value_of((8, 4), 4), fd.to_torch(mesh), torch_placements(x.layout))
+                leaf.requires_grad_()
+            y = fd.from_torch(leaf)
+            (y.full_tensor() ** 3).sum().backward()
+            with torch_ops(mesh):
+                leaf_grad = plain(leaf.grad.full_tensor())
+            out[name] = {"requires_grad": (tt.requires_grad, y.requires_grad), "t": t.grad, "leaf": leaf_grad}
+    return out
 
 
 @pytest.mark.meshes((2,), (2, 2))
 def test_gradients_flow_through_both_conversions(backend, mesh):
-    if backend.is_simulated:
-        pytest.skip("the simulated conversion (LocalTensor) is not differentiable")
     for result in backend.run(job_gradients, mesh.shape):
-        torch.testing.assert_close(result["t"], 2 * value_of((6, 4), 3))
-        torch.testing.assert_close(result["leaf"], 3 * value_of((8, 4), 4) ** 2)
+        for got in result.values():
+            assert got["requires_grad"] == (True, True)
+            torch.testing.assert_close(got["t"], 2 * value_of((8, 4), 3))
+            torch.testing.assert_close(got["leaf"], 3 * value_of((8, 4), 4) ** 2)
 
 
-def test_simulated_conversions_hold_every_device_shard_without_grad():
+def test_simulated_conversions_hold_every_device_shard():
     mesh = fd.simulated_mesh((2, 2), ("x", "y"))
     with torch_world(mesh):
         x = fd.distribute_tensor(value_of((5, 3), 5).requires_grad_(), mesh, fd.P("y", "x"))
         tt = fd.to_torch(x)
-        assert not tt.requires_grad and sorted(tt._local_tensor._local_tensors) == [0, 1, 2, 3]
+        assert tt.requires_grad and sorted(tt._local_tensor._local_tensors) == [0, 1, 2, 3]
         from torch.distributed._local_tensor import LocalTensorMode
         from torch.distributed.tensor import distribute_tensor as torch_distribute
 
