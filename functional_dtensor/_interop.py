@@ -219,7 +219,7 @@ def _fd_mesh(torch_mesh, where: str) -> DeviceMesh:
     if not names:
         raise MeshError(
             explain(
-                f"{where}(mesh)",
+                where,
                 "fd meshes name their axes",
                 expected="a torch DeviceMesh with mesh_dim_names",
                 got=repr(torch_mesh),
@@ -236,7 +236,7 @@ def _fd_mesh(torch_mesh, where: str) -> DeviceMesh:
     if ranks != list(range(world or -1)) or not set(names) <= set(root_names):
         raise MeshError(
             explain(
-                f"{where}(mesh)",
+                where,
                 "an fd mesh covers every rank in row-major order, with named axes",
                 expected=f"a mesh (or a slice of one) over ranks 0..{(world or 1) - 1} in order",
                 got=f"{torch_mesh!r} over ranks {ranks}",
@@ -330,7 +330,7 @@ def from_torch(t, /, *, copy: bool = True):
     from torch.distributed.tensor import DTensor as TorchDTensor
 
     if isinstance(t, TorchMesh):
-        return _fd_mesh(t, api)
+        return _fd_mesh(t, f"{api}(mesh)")
     if not isinstance(t, TorchDTensor):
         raise InputTypeError(
             explain(
@@ -343,7 +343,7 @@ def from_torch(t, /, *, copy: bool = True):
                 else "it is already an fd.DTensor: use it as it is",
             )
         )
-    mesh = _fd_mesh(t.device_mesh, api)
+    mesh = _fd_mesh(t.device_mesh, f"{api}(t.device_mesh)")
     spec = getattr(t, "_spec", None)
     shard_order = None
     if spec is not None and not getattr(spec, "use_strided_shard_as_shard_order", True):

@@ -431,6 +431,33 @@ def job_meshes_on_4() -> dict:
     return job_meshes(fd.init_device_mesh("cpu", (2, 2), ("x", "y")))
 
 
+def job_unrepresentable_mesh() -> list[str]:
+    """Torch meshes fd has no mesh for: ranks out of row-major order, unnamed axes; and a value
+    on one. Every rank raises the same error."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    errors = []
+    reversed_mesh = TorchMesh("cpu", torch.arange(4).flip(0).reshape(2, 2), mesh_dim_names=("a", "b"))
+    unnamed = TorchMesh("cpu", torch.arange(4))
+    value = TorchDTensor.from_local(torch.ones(2), reversed_mesh, [TorchShard(0), TorchReplicate()])
+    for item in (reversed_mesh, unnamed, value):
+        try:
+            fd.from_torch(item)
+        except fd.MeshError as error:
+            errors.append(str(error))
+    return errors
+
+
+@pytest.mark.distributed
+def test_torch_meshes_fd_cannot_represent_are_mesh_errors(gloo):
+    for errors in gloo.run(4, job_unrepresentable_mesh):
+        assert len(errors) == 3
+        assert errors[0].startswith("fd.from_torch(mesh): an fd mesh covers every rank in row-major order")
+        assert "over ranks [3, 2, 1, 0]" in errors[0]
+        assert errors[1].startswith("fd.from_torch(mesh): fd meshes name their axes")
+        assert errors[2] == errors[0].replace("(mesh)", "(t.device_mesh)", 1) and "Fix:" in errors[2]
+
+
 def job_torch_made() -> dict:
     """A mesh and a value torch made alone: fd builds its own groups for the mesh, once, and
     reads the value's shards (FSDP2-style strided rows, uneven columns)."""
