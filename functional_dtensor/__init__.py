@@ -40,6 +40,7 @@ from ._explain import OpReport, PlanReport, explain_redistribute
 from ._explain import explain_op as explain
 from ._factories import empty, full, ones, zeros
 from ._global_ops import register_sharding
+from ._interop import from_torch, to_torch
 from ._layout import Layout
 from ._local_map import local_map
 from ._mesh import DeviceMesh, simulated_mesh
@@ -113,6 +114,7 @@ __all__ = [
     "register_sharding",
     "PlanReport",
     "from_local",
+    "from_torch",
     "full",
     "ones",
     "rand",
@@ -120,6 +122,7 @@ __all__ = [
     "random",
     "redistribute",
     "simulated_mesh",
+    "to_torch",
     "zeros",
     "ColwiseParallel",
     "RowwiseParallel",

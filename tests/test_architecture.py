@@ -42,7 +42,7 @@ FLOORS = {
         "_optim",
         "_ring_attention",
     ],
-    "tools": ["_explain", "_comm_debug", "checkpoint", "testing.*", "_demo", "__init__", "__main__"],
+    "tools": ["_explain", "_comm_debug", "checkpoint", "_interop", "testing.*", "_demo", "__init__", "__main__"],
 }
 FUNCTORCH_HOME = "_simulated.functorch"
 BACKEND_HOME = "_backend"
