@@ -58,10 +58,7 @@ __all__ = [
 
 
 #: how to bring a torch.distributed.tensor.DTensor over: its global value, or its shard
-TORCH_DTENSOR_FIX = (
-    "pass its global value x.full_tensor(), or its shard: "
-    "fd.from_local(x.to_local(), mesh, placements, shape=tuple(x.shape))"
-)
+TORCH_DTENSOR_FIX = "convert it with fd.from_torch(x) (its layout kept), or pass its global value x.full_tensor()"
 
 
 @public

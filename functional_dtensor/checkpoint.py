@@ -121,7 +121,7 @@ def _leaves(state, root: str, api: str) -> tuple[list[_Leaf], str]:
 def _plain(leaf: _Leaf, api: str) -> torch.Tensor:
     """A tensor leaf, refused if it is a torch DTensor (not a value of this library)."""
     fix = (
-        "make it an fd.DTensor (fd.from_local(x.to_local(), mesh, placements, shape=tuple(x.shape))), "
+        "make it an fd.DTensor with fd.from_torch(x), "
         "or checkpoint torch DTensors with torch.distributed.checkpoint itself"
     )
     return check_tensor(leaf.value, f"{api}({leaf.where})", torch_dtensor_fix=fix)

@@ -740,7 +740,7 @@ def test_a_torch_dtensor_is_refused_with_the_conversion_to_use(backend, mesh):
         pytest.skip("a torch DTensor needs a process group")
     for p, got in enumerate(backend.run(job_torch_dtensor, mesh.shape, mesh.names)):
         apis = ["fd.distribute_tensor(tensor)", "fd.from_local(local_tensor)", "fd.shard_map(args[0])"]
-        fixes = ["x.full_tensor()", "x.to_local()", "fd.from_local(x.to_local()"]
+        fixes = ["x.full_tensor()", "x.to_local()", "fd.from_torch(x)"]
         for got_one, api, fix in zip(got, apis, fixes, strict=True):
             assert got_one.startswith(f"InputTypeError: {api}") and "torch DTensor" in got_one, (p, got_one)
             assert fix in got_one, (p, got_one)
