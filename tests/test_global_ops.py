@@ -5,6 +5,8 @@ communication they cost, both backends, and the errors of mixed and unsupported 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -649,3 +651,47 @@ def test_drawn_layouts_give_the_simulated_shards_on_gloo(backend, mesh):
                 close(got, want)
 
     check_case()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    heads=st.sampled_from([1, 2, 3, 4, 6]),
+    head_dim=st.integers(1, 3),
+    rows=st.integers(1, 5),
+)
+def test_views_that_split_or_merge_a_sharded_dim(data, heads, head_dim, rows):
+    """(rows, heads * head_dim) <-> (rows, heads, head_dim): a shard of the merged dim stays on
+    the heads dim, with no communication, where the devices along it divide the heads;
+    otherwise the view is still right (its input redistributed)."""
+    layout = data.draw(layouts_for([(rows, heads * head_dim)]))[0]
+    x = values((rows, heads * head_dim))
+    t, d = spread(x, layout, True)
+    with fd.CommDebugMode() as comm:
+        split = d.view(rows, heads, head_dim)
+    close(split.full_tensor(), x.view(rows, heads, head_dim))
+    devices = math.prod(n for n, p in zip(layout.mesh.shape, layout.placements) if p == fd.Shard(1))
+    if devices > 1 and heads % devices == 0 and not layout.has_partial:
+        assert comm.get_total_counts() == 0
+        assert [p == fd.Shard(1) for p in split.placements] == [p == fd.Shard(1) for p in layout.placements]
+    merged = split.reshape(rows, heads * head_dim)
+    close(merged.full_tensor(), x)
+    merged.full_tensor().sin().sum().backward()
+    close(t.grad, x.cos())
+
+
+def test_an_op_keeps_the_split_order_of_its_input():
+    """A value sharded P(("tp", "dp")) (tp major, the layout FSDP gives a column-parallel
+    weight): an elementwise op, a product with a replicated value and a view keep that order,
+    with no communication; an op of two values in different orders pairs their blocks."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    x, y = values((8, 4), 1), values((8, 4), 2)
+    a = fd.distribute_tensor(x, mesh, fd.P(("tp", "dp")))
+    with fd.CommDebugMode() as comm:
+        outs = [a * 2.0, torch.tanh(a), a.view(8, 2, 2), a @ fd.distribute_tensor(y.T, mesh, fd.P())]
+    assert comm.get_total_counts() == 0
+    assert all(o.spec.__getitem__(0) == ("tp", "dp") for o in outs)
+    b = fd.distribute_tensor(y, mesh, fd.P(("dp", "tp")))
+    close((a + b).full_tensor(), x + y)
+    close((b * a).full_tensor(), y * x)
+    close(torch.einsum("ij,ij->i", a, b).full_tensor(), (x * y).sum(1))
