@@ -57,8 +57,10 @@ __all__ = [
 ]
 
 
-#: how to bring a torch.distributed.tensor.DTensor over: its global value, or its shard
-TORCH_DTENSOR_FIX = "convert it with fd.from_torch(x) (its layout kept), or pass its global value x.full_tensor()"
+#: how to bring a torch.distributed.tensor.DTensor over
+TORCH_DTENSOR_FIX = (
+    "convert it with fd.from_torch(x) (its layout kept), or pass its global value x.full_tensor()"
+)
 
 
 @public

@@ -42,7 +42,16 @@ FLOORS = {
         "_optim",
         "_ring_attention",
     ],
-    "tools": ["_explain", "_comm_debug", "checkpoint", "_interop", "testing.*", "_demo", "__init__", "__main__"],
+    "tools": [
+        "_explain",
+        "_comm_debug",
+        "checkpoint",
+        "_interop",
+        "testing.*",
+        "_demo",
+        "__init__",
+        "__main__",
+    ],
 }
 FUNCTORCH_HOME = "_simulated.functorch"
 BACKEND_HOME = "_backend"
