@@ -45,6 +45,7 @@ import os
 import sys
 import types
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_transformer import Config, Transformer, loss_of, plan_for  # noqa: E402
 
 #: gloo: compute per op not negligible, a step well under a second on the 2-core box
-GLOO_CFG = Config(vocab=512, dim=256, heads=4, hidden=1024, layers=2, seq=128, batch=16)
+GLOO_CFG = Config(vocab=512, dim=256, heads=4, hidden=1024, layers=2, seq=64, batch=16)
 #: simulated: more compute per op
 SIM_CFG = Config(vocab=1024, dim=512, heads=8, hidden=2048, layers=2, seq=128, batch=16)
 VARIANTS = ("tp", "sp+fsdp")
@@ -215,7 +216,9 @@ def torch_step(model, mesh, variant, tokens, targets):
         state["model"] = m
         state["opt"] = torch.optim.AdamW(m.parameters(), lr=LR)
 
-    rows = slice(dp.get_local_rank() * len(tokens) // cfg_dp, (dp.get_local_rank() + 1) * len(tokens) // cfg_dp)
+    rows = slice(
+        dp.get_local_rank() * len(tokens) // cfg_dp, (dp.get_local_rank() + 1) * len(tokens) // cfg_dp
+    )
 
     def step():
         m, opt = state["model"], state["opt"]
@@ -274,22 +277,33 @@ def gloo_main(args) -> None:
         t_step, t_first, t_held = torch_step(model, tmesh, variant, tokens, targets)
         (f_loss, f_norm), (t_loss, t_norm) = f_first(), t_first()
         ok = math.isclose(f_loss, t_loss, rel_tol=1e-4) and math.isclose(f_norm, t_norm, rel_tol=1e-4)
-        checks.append(f"{variant}: first-step loss fd {f_loss:.6f} / torch {t_loss:.6f}, "
-                      f"grad norm fd {f_norm:.6f} / torch {t_norm:.6f}: {'same' if ok else 'DIFFERENT'}")
+        checks.append(
+            f"{variant}: first-step loss fd {f_loss:.6f} / torch {t_loss:.6f}, "
+            f"grad norm fd {f_norm:.6f} / torch {t_norm:.6f}: {'same' if ok else 'DIFFERENT'}"
+        )
         if not ok:
             raise SystemExit(f"rank {rank}: {checks[-1]}")
         with fd.CommDebugMode() as comm:
             f_step()
         with TorchCommDebugMode() as tcomm:
             t_step()
-        comms[variant] = (comm.get_comm_counts(), comm.get_total_bytes(),
-                          {str(k).split(".")[-1]: v for k, v in tcomm.get_comm_counts().items()})
-        steps[f"{variant}: fd"], steps[f"{variant}: torch DTensor"] = f_step, t_step
-        held[f"{variant}: fd"], held[f"{variant}: torch DTensor"] = f_held(), t_held()
+        by_axes = Counter(f"{e.op}({','.join(e.axes)})" for e in comm.events)
+        comms[variant] = (
+            dict(by_axes),
+            comm.get_total_bytes(),
+            {str(k).split(".")[-1]: v for k, v in tcomm.get_comm_counts().items()},
+        )
+        steps[f"{variant}: fd"], steps[f"{variant}: DTensor"] = f_step, t_step
+        held[f"{variant}: fd"], held[f"{variant}: DTensor"] = f_held(), t_held()
 
+    if args.profile:
+        gloo_profile(steps, talk)
+        dist.destroy_process_group()
+        return
     reps = args.reps or (3 if args.quick else 20)
-    times = interleaved(steps, reps=reps, warmup=1 if args.quick else 2, before_each=dist.barrier,
-                        calls=args.calls)
+    times = interleaved(
+        steps, reps=reps, warmup=1 if args.quick else 2, before_each=dist.barrier, calls=args.calls
+    )
     wall = {name: median_ms(t.wall) for name, t in times.items()}
     cpu = {name: median_ms(t.cpu) for name, t in times.items()}
     slowest = torch.tensor(list(wall.values()))
@@ -301,39 +315,85 @@ def gloo_main(args) -> None:
         rows = []
         for name in steps:
             variant, lib = name.split(": ")
-            ratio = wall[name] / wall[f"{variant}: torch DTensor"]
+            ratio = wall[name] / wall[f"{variant}: DTensor"]
             p, o = held[name]
-            rows.append([
-                name,
-                f"{wall[name]:.1f}",
-                f"{slowest[name]:.1f}",
-                f"{cpu[name]:.1f}",
-                f"{ratio:.3f}" if lib == "fd" else "1.000",
-                f"{slowest[name] / slowest[f'{variant}: torch DTensor']:.3f}" if lib == "fd" else "1.000",
-                f"{p / 2**20:.2f} ({p / unsharded:.2f})",
-                f"{o / 2**20:.2f} ({o / (2 * unsharded):.2f})",
-                verdict(ratio, GLOO_TARGET) if lib == "fd" else "",
-            ])
+            rows.append(
+                [
+                    name,
+                    f"{wall[name]:.1f}",
+                    f"{slowest[name]:.1f}",
+                    f"{cpu[name]:.1f}",
+                    f"{ratio:.3f}" if lib == "fd" else "1.000",
+                    f"{slowest[name] / slowest[f'{variant}: DTensor']:.3f}" if lib == "fd" else "1.000",
+                    f"{p / 2**20:.2f} ({p / unsharded:.2f})",
+                    f"{o / 2**20:.2f} ({o / (2 * unsharded):.2f})",
+                    verdict(ratio, GLOO_TARGET) if lib == "fd" else "",
+                ]
+            )
         print_table(
             f"training step on 4 gloo ranks, mesh dp 2 x tp 2 ({describe(cfg)}): medians of {reps} "
             f"interleaved samples of {args.calls} steps, 1 thread per rank",
-            ["variant", "rank 0 ms", "slowest ms", "rank 0 cpu ms", "/ torch", "/ torch (slowest)",
-             "params MiB (x unsharded)", "AdamW state MiB (x unsharded)", "target"],
+            [
+                "variant",
+                "rank 0 ms",
+                "slowest ms",
+                "rank 0 cpu ms",
+                "fd / DTensor",
+                "(slowest)",
+                "params MiB (x 1 dev)",
+                "AdamW MiB (x 1 dev)",
+                "target",
+            ],
             rows,
             caption=f"unsharded: parameters {unsharded / 2**20:.2f} MiB, AdamW state "
             f"{2 * unsharded / 2**20:.2f} MiB (exp_avg, exp_avg_sq); bytes are rank 0's shards.",
         )
         for variant, (counts, total, tcounts) in comms.items():
-            print(f"{variant}: fd's collectives per step: {sum(counts.values())} {dict(sorted(counts.items()))}, "
-                  f"{total / 2**20:.2f} MiB per device; torch's: {sum(tcounts.values())} "
-                  f"{dict(sorted(tcounts.items()))}")
+            print(
+                f"{variant}: fd's collectives per step: {sum(counts.values())} "
+                f"{dict(sorted(counts.items()))}, "
+                f"{total / 2**20:.2f} MiB per device; torch's: {sum(tcounts.values())} "
+                f"{dict(sorted(tcounts.items()))}"
+            )
     dist.barrier()
     dist.destroy_process_group()
 
 
+def gloo_profile(steps: dict, talk: bool, n: int = 5) -> None:
+    """Rank 0's cProfile (own time) and torch.profiler (ops by self CPU time) of ``n`` steps
+    of each step in ``steps`` (every rank runs them, in the same order)."""
+    import cProfile
+    import pstats
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, fn in steps.items():
+        fn()
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            fn()
+        prof.disable()
+        dist.barrier()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for _ in range(n):
+                fn()
+        dist.barrier()
+        if talk:
+            print(f"--- rank 0, cProfile of {n} steps: {name} ---")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            print(f"--- rank 0, torch.profiler of {n} steps: {name} ---")
+            print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def describe(cfg: Config) -> str:
-    return (f"vocab {cfg.vocab}, dim {cfg.dim}, heads {cfg.heads}, hidden {cfg.hidden}, "
-            f"layers {cfg.layers}, seq {cfg.seq}, batch {cfg.batch}")
+    return (
+        f"vocab {cfg.vocab}, dim {cfg.dim}, heads {cfg.heads}, hidden {cfg.hidden}, "
+        f"layers {cfg.layers}, seq {cfg.seq}, batch {cfg.batch}"
+    )
 
 
 # --- the simulated part ------------------------------------------------------------------------
@@ -372,8 +432,10 @@ def simulated_main(args) -> None:
         f_step, f_first, _ = fd_step(model, mesh, variant, tokens, targets)
         got = f_first()
         ok = all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(got, want, strict=True))
-        print(f"fd {variant} first step: loss {got[0]:.6f}, grad norm {got[1]:.6f}: "
-              f"{'same' if ok else 'DIFFERENT'}")
+        print(
+            f"fd {variant} first step: loss {got[0]:.6f}, grad norm {got[1]:.6f}: "
+            f"{'same' if ok else 'DIFFERENT'}"
+        )
         if not ok:
             raise SystemExit("fd's step differs from the unsharded one")
         steps[f"fd {variant}, simulated 2x2"] = f_step
@@ -386,8 +448,14 @@ def simulated_main(args) -> None:
     wall = {name: median_ms(t.wall) for name, t in times.items()}
     base = "unsharded (plain torch)"
     rows = [
-        [name, f"{cpu[name]:.1f}", f"{wall[name]:.1f}", f"{cpu[name] / cpu[base]:.2f}",
-         f"{wall[name] / wall[base]:.2f}", verdict(cpu[name] / cpu[base], SIM_TARGET) if name != base else ""]
+        [
+            name,
+            f"{cpu[name]:.1f}",
+            f"{wall[name]:.1f}",
+            f"{cpu[name] / cpu[base]:.2f}",
+            f"{wall[name] / wall[base]:.2f}",
+            verdict(cpu[name] / cpu[base], SIM_TARGET) if name != base else "",
+        ]
         for name in steps
     ]
     print_table(
@@ -398,9 +466,14 @@ def simulated_main(args) -> None:
     )
 
 
-def profile(fd_fn, plain_fn, n: int = 5) -> None:
+def profile(fd_fn, plain_fn, n: int = 3) -> None:
+    """cProfile (Python functions by own time, then cumulative) and torch.profiler (aten ops
+    by self CPU time) of ``n`` steps of fd's step and of the unsharded one."""
     import cProfile
     import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     for fn in (fd_fn, plain_fn):
         fn()
@@ -412,8 +485,13 @@ def profile(fd_fn, plain_fn, n: int = 5) -> None:
         prof.disable()
         print(f"--- cProfile of {n} steps: {label} ---")
         stats = pstats.Stats(prof).sort_stats("tottime")
-        stats.print_stats(25)
-        stats.sort_stats("cumulative").print_stats(40)
+        stats.print_stats(30)
+        stats.sort_stats("cumulative").print_stats(60)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for _ in range(n):
+                fn()
+        print(f"--- torch.profiler of {n} steps: {label} ---")
+        print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35))
 
 
 def main() -> None:
