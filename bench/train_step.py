@@ -325,8 +325,8 @@ def gloo_main(args) -> None:
                     f"{cpu[name]:.1f}",
                     f"{ratio:.3f}" if lib == "fd" else "1.000",
                     f"{slowest[name] / slowest[f'{variant}: DTensor']:.3f}" if lib == "fd" else "1.000",
-                    f"{p / 2**20:.2f} ({p / unsharded:.2f})",
-                    f"{o / 2**20:.2f} ({o / (2 * unsharded):.2f})",
+                    f"{p / 2**20:.2f} ({p / unsharded:.2f}x)",
+                    f"{o / 2**20:.2f} ({o / (2 * unsharded):.2f}x)",
                     verdict(ratio, GLOO_TARGET) if lib == "fd" else "",
                 ]
             )
@@ -337,16 +337,17 @@ def gloo_main(args) -> None:
                 "variant",
                 "rank 0 ms",
                 "slowest ms",
-                "rank 0 cpu ms",
+                "cpu ms",
                 "fd / DTensor",
                 "(slowest)",
-                "params MiB (x 1 dev)",
-                "AdamW MiB (x 1 dev)",
+                "params MiB",
+                "AdamW MiB",
                 "target",
             ],
             rows,
             caption=f"unsharded: parameters {unsharded / 2**20:.2f} MiB, AdamW state "
-            f"{2 * unsharded / 2**20:.2f} MiB (exp_avg, exp_avg_sq); bytes are rank 0's shards.",
+            f"{2 * unsharded / 2**20:.2f} MiB (exp_avg, exp_avg_sq); bytes are rank 0's shards (x: of the "
+            "unsharded); ms: wall-clock per step, cpu: rank 0's CPU time.",
         )
         for variant, (counts, total, tcounts) in comms.items():
             print(
