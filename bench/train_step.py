@@ -17,7 +17,10 @@ and an AdamW step (lr 1e-3), on a fixed batch, the parameters carried from step 
   logits sharded over the vocabulary and the loss under ``loss_parallel()``; then over
   ``mesh["dp"]``, per block and on the root, ``fully_shard`` (``sp+fsdp``) or FSDP2's
   ``replicate`` (``tp``: parameters replicated over "dp", gradients all-reduced);
-  ``torch.optim.AdamW`` (its default, single-tensor on CPU), ``torch.nn.utils.clip_grad_norm_``.
+  ``torch.optim.AdamW`` (its default, single-tensor on CPU), and torch's clipping pieces
+  (``torch.nn.utils.get_total_norm`` per mesh, then ``clip_grads_with_norm_``: FSDP leaves
+  the parameters tensor parallel did not touch on the 1-D "dp" mesh, the others on the 2-D
+  one, and ``clip_grad_norm_`` refuses norms on two meshes).
   Torch's tensor parallel runs the module's code on local shards, so each attention module is
   given its local head count (``heads / tp``) and a forward that reshapes with ``-1`` (the
   same math, as torch's Llama TP tutorial does); with sequence parallelism the positional
