@@ -1,0 +1,517 @@
+"""A 2-D ("dp" 2 x "tp" 2) training step of the example's transformer: fd against torch.
+
+    torchrun --standalone --nproc-per-node 4 bench/train_step.py [--quick]   # (1) gloo
+    python bench/train_step.py [--quick] [--profile]                        # (2) simulated
+
+One step is forward, cross-entropy loss, backward, gradient clipping by the global norm (1.0)
+and an AdamW step (lr 1e-3), on a fixed batch, the parameters carried from step to step.
+
+(1) On 4 gloo ranks (a 2 x 2 mesh, one torch thread per rank), per plan variant:
+
+* ``fd``: ``fd.parallelize_module(model, mesh, plan_for(variant))`` with the example's plans
+  (``tp``: Megatron tensor parallel over "tp", the batch over "dp", parameters replicated
+  over "dp"; ``sp+fsdp``: plus sequence parallelism and the parameters sharded over "dp"),
+  ``fd.Optimizer(torch.optim.AdamW)``, ``fd.clip_grad_norm``, ``torch.autograd.grad``.
+* ``torch DTensor``: torch's ``parallelize_module`` on ``mesh["tp"]`` with the same styles
+  (ColwiseParallel / RowwiseParallel, SequenceParallel and PrepareModuleInput for ``sp``), the
+  logits sharded over the vocabulary and the loss under ``loss_parallel()``; then over
+  ``mesh["dp"]``, per block and on the root, ``fully_shard`` (``sp+fsdp``) or FSDP2's
+  ``replicate`` (``tp``: parameters replicated over "dp", gradients all-reduced);
+  ``torch.optim.AdamW`` (its default, single-tensor on CPU), and torch's clipping pieces
+  (``torch.nn.utils.get_total_norm`` per mesh, then ``clip_grads_with_norm_``: FSDP leaves
+  the parameters tensor parallel did not touch on the 1-D "dp" mesh, the others on the 2-D
+  one, and ``clip_grad_norm_`` refuses norms on two meshes).
+  Torch's tensor parallel runs the module's code on local shards, so each attention module is
+  given its local head count (``heads / tp``) and a forward that reshapes with ``-1`` (the
+  same math, as torch's Llama TP tutorial does); with sequence parallelism the positional
+  embedding is made a replicated DTensor on "tp" so that it adds to the sequence-sharded
+  embedding output, and the residual stream stays a DTensor (``use_local_output=False``).
+
+Before timing, each pair's first step is checked: the same loss and the same global gradient
+norm (before clipping), within 1e-4 relative. Printed: medians per step (rank 0, and the
+slowest rank's median), fd / torch DTensor, per-rank bytes of parameters and AdamW state
+against the unsharded model, and the collectives of one step of each library (fd's
+``fd.CommDebugMode``; torch's ``torch.distributed.tensor.debug.CommDebugMode``).
+
+(2) On ``fd.simulated_mesh((2, 2), ("dp", "tp"))`` in one process, one thread: the fd step of
+both plans against the same step of the unsharded model in plain torch (``torch.optim.AdamW``,
+``clip_grad_norm_``), on a larger model (more compute per op). ``--profile`` prints a cProfile
+of fd's ``tp`` step instead of timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+import types
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _timing import interleaved, median_ms, print_table, verdict
+
+import functional_dtensor as fd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from train_transformer import Config, Transformer, loss_of, plan_for  # noqa: E402
+
+#: gloo: compute per op not negligible, a step well under a second on the 2-core box
+GLOO_CFG = Config(vocab=512, dim=256, heads=4, hidden=1024, layers=2, seq=64, batch=16)
+#: simulated: more compute per op
+SIM_CFG = Config(vocab=1024, dim=512, heads=8, hidden=2048, layers=2, seq=128, batch=16)
+VARIANTS = ("tp", "sp+fsdp")
+LR = 1e-3
+GLOO_TARGET = 0.85  # fd / torch DTensor
+SIM_TARGET = 1.3  # fd / unsharded
+
+
+def fixed_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def make_model(cfg: Config) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(cfg)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --- fd ----------------------------------------------------------------------------------------
+
+
+def fd_step(model, mesh, variant, tokens, targets):
+    """``(step, first)``: one training step (parameters carried over); ``first()`` is the
+    first step's (loss, global gradient norm before clipping), on fresh state."""
+    sharded = fd.parallelize_module(model, mesh, plan_for(variant))
+    state = {}
+
+    def reset():
+        state["params"] = sharded.params
+        state["opt"] = fd.Optimizer(torch.optim.AdamW, sharded.params, lr=LR)
+
+    def step():
+        params = state["params"]
+        tokens_d = fd.distribute_tensor(tokens, mesh, fd.P("dp"))
+        targets_d = fd.distribute_tensor(targets, mesh, fd.P("dp"))
+        loss = loss_of(sharded.apply(params, tokens_d), targets_d)
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+        grads, norm = fd.clip_grad_norm(grads, 1.0)
+        state["params"] = state["opt"].step(params, grads)
+        return loss, norm
+
+    def first():
+        reset()
+        loss, norm = step()
+        return loss.full_tensor().item(), norm.full_tensor().item()
+
+    def held():
+        """Bytes this rank (or the first simulated device) holds: parameters, AdamW state."""
+        shard = lambda leaf: nbytes(leaf.local_shards()[0]) if isinstance(leaf, fd.DTensor) else 0  # noqa: E731
+        params = sum(shard(p) for p in state["params"].values())
+        opt = sum(shard(v) for entry in state["opt"].state_dict()["state"].values() for v in entry.values())
+        return params, opt
+
+    reset()
+    return step, first, held
+
+
+# --- torch DTensor -----------------------------------------------------------------------------
+
+
+def _local_attention(self, x):
+    """The example's attention on local shards: ``self.heads`` is this rank's head count."""
+    b, t, _ = x.shape
+    q, k, v = (w(x).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def torch_plan(variant: str) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if "sp" not in variant.split("+"):
+        return {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "layers.*.attn.wq": ColwiseParallel(),
+            "layers.*.attn.wk": ColwiseParallel(),
+            "layers.*.attn.wv": ColwiseParallel(),
+            "layers.*.attn.wo": RowwiseParallel(),
+            "layers.*.mlp.up": ColwiseParallel(),
+            "layers.*.mlp.down": RowwiseParallel(),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+    seq = dict(output_layouts=Shard(1), use_local_output=False)  # the residual stream: a DTensor
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "embed": RowwiseParallel(input_layouts=Replicate(), **seq),
+        "layers.*.attn_norm": SequenceParallel(),
+        "layers.*.attn": gather,
+        "layers.*.attn.wq": ColwiseParallel(),
+        "layers.*.attn.wk": ColwiseParallel(),
+        "layers.*.attn.wv": ColwiseParallel(),
+        "layers.*.attn.wo": RowwiseParallel(**seq),
+        "layers.*.mlp_norm": SequenceParallel(),
+        "layers.*.mlp": gather,
+        "layers.*.mlp.up": ColwiseParallel(),
+        "layers.*.mlp.down": RowwiseParallel(**seq),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def clip_grad_norm_by_mesh(params: list, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients on several meshes: FSDP over "dp"
+    leaves the parameters that tensor parallel did not touch (norms, biases, the positional
+    embedding) on the 1-D "dp" mesh and the others on the 2-D mesh, and ``clip_grad_norm_``
+    stacks their norms into one op (DTensor refuses operands on two meshes). torch's own
+    pieces, per mesh: ``get_total_norm``, the norms combined, ``clip_grads_with_norm_``."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def torch_step(model, mesh, variant, tokens, targets):
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    tp, dp = mesh["tp"], mesh["dp"]
+    cfg_dp = dp.size()
+    state = {}
+
+    def build():
+        m = copy.deepcopy(model)
+        for block in m.layers:
+            block.attn.heads //= tp.size()
+            block.attn.forward = types.MethodType(_local_attention, block.attn)
+        if "sp" in variant.split("+"):
+            m.pos = torch.nn.Parameter(distribute_tensor(m.pos.detach(), tp, [Replicate()]))
+        parallelize_module(m, tp, torch_plan(variant))
+        wrap = fully_shard if "fsdp" in variant.split("+") else replicate
+        for block in m.layers:
+            wrap(block, mesh=dp)
+        wrap(m, mesh=dp)
+        state["model"] = m
+        state["opt"] = torch.optim.AdamW(m.parameters(), lr=LR)
+
+    rows = slice(
+        dp.get_local_rank() * len(tokens) // cfg_dp, (dp.get_local_rank() + 1) * len(tokens) // cfg_dp
+    )
+
+    def step():
+        m, opt = state["model"], state["opt"]
+        opt.zero_grad(set_to_none=True)
+        with loss_parallel():
+            loss = loss_of(m(tokens[rows]), targets[rows])
+            loss.backward()
+        norm = clip_grad_norm_by_mesh(list(m.parameters()), 1.0)
+        opt.step()
+        return loss, norm
+
+    def first():
+        build()
+        loss, norm = step()
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss, group=dp.get_group())  # this dp rank's half of the batch
+        return loss.item() / cfg_dp, norm.item()
+
+    def held():
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        params = sum(nbytes(local(p)) for p in state["model"].parameters())
+        opt = sum(
+            nbytes(local(v))
+            for entry in state["opt"].state.values()
+            for key, v in entry.items()
+            if key != "step"
+        )
+        return params, opt
+
+    build()
+    return step, first, held
+
+
+# --- the gloo part -----------------------------------------------------------------------------
+
+
+def gloo_main(args) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    cfg = GLOO_CFG
+    mesh = fd.init_device_mesh("cpu", (2, 2), ("dp", "tp"))
+    tmesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+    talk = rank == 0
+    model = make_model(cfg)
+    tokens, targets = fixed_batch(cfg)
+    unsharded = sum(nbytes(p) for p in model.parameters())
+
+    steps, held, checks, comms = {}, {}, [], {}
+    for variant in VARIANTS:
+        f_step, f_first, f_held = fd_step(model, mesh, variant, tokens, targets)
+        t_step, t_first, t_held = torch_step(model, tmesh, variant, tokens, targets)
+        (f_loss, f_norm), (t_loss, t_norm) = f_first(), t_first()
+        ok = math.isclose(f_loss, t_loss, rel_tol=1e-4) and math.isclose(f_norm, t_norm, rel_tol=1e-4)
+        checks.append(
+            f"{variant}: first-step loss fd {f_loss:.6f} / torch {t_loss:.6f}, "
+            f"grad norm fd {f_norm:.6f} / torch {t_norm:.6f}: {'same' if ok else 'DIFFERENT'}"
+        )
+        if not ok:
+            raise SystemExit(f"rank {rank}: {checks[-1]}")
+        with fd.CommDebugMode() as comm:
+            f_step()
+        with TorchCommDebugMode() as tcomm:
+            t_step()
+        by_axes = Counter(f"{e.op}({','.join(e.axes)})" for e in comm.events)
+        comms[variant] = (
+            dict(by_axes),
+            comm.get_total_bytes(),
+            {str(k).split(".")[-1]: v for k, v in tcomm.get_comm_counts().items()},
+        )
+        steps[f"{variant}: fd"], steps[f"{variant}: DTensor"] = f_step, t_step
+        held[f"{variant}: fd"], held[f"{variant}: DTensor"] = f_held(), t_held()
+
+    if args.profile:
+        gloo_profile(steps, talk)
+        dist.destroy_process_group()
+        return
+    reps = args.reps or (3 if args.quick else 20)
+    times = interleaved(
+        steps, reps=reps, warmup=1 if args.quick else 2, before_each=dist.barrier, calls=args.calls
+    )
+    wall = {name: median_ms(t.wall) for name, t in times.items()}
+    cpu = {name: median_ms(t.cpu) for name, t in times.items()}
+    slowest = torch.tensor(list(wall.values()))
+    dist.all_reduce(slowest, dist.ReduceOp.MAX)
+    slowest = dict(zip(steps, slowest.tolist(), strict=True))
+    if talk:
+        for line in checks:
+            print(line)
+        rows = []
+        for name in steps:
+            variant, lib = name.split(": ")
+            ratio = wall[name] / wall[f"{variant}: DTensor"]
+            p, o = held[name]
+            rows.append(
+                [
+                    name,
+                    f"{wall[name]:.1f}",
+                    f"{slowest[name]:.1f}",
+                    f"{cpu[name]:.1f}",
+                    f"{ratio:.3f}" if lib == "fd" else "1.000",
+                    f"{slowest[name] / slowest[f'{variant}: DTensor']:.3f}" if lib == "fd" else "1.000",
+                    f"{p / 2**20:.2f} ({p / unsharded:.2f}x)",
+                    f"{o / 2**20:.2f} ({o / (2 * unsharded):.2f}x)",
+                    verdict(ratio, GLOO_TARGET) if lib == "fd" else "",
+                ]
+            )
+        print_table(
+            f"training step on 4 gloo ranks, mesh dp 2 x tp 2 ({describe(cfg)}): medians of {reps} "
+            f"interleaved samples of {args.calls} steps, 1 thread per rank",
+            [
+                "variant",
+                "rank 0 ms",
+                "slowest ms",
+                "cpu ms",
+                "fd / DTensor",
+                "(slowest)",
+                "params MiB",
+                "AdamW MiB",
+                "target",
+            ],
+            rows,
+            caption=f"unsharded: parameters {unsharded / 2**20:.2f} MiB, AdamW state "
+            f"{2 * unsharded / 2**20:.2f} MiB (exp_avg, exp_avg_sq); bytes are rank 0's shards (x: of the "
+            "unsharded); ms: wall-clock per step, cpu: rank 0's CPU time.",
+        )
+        for variant, (counts, total, tcounts) in comms.items():
+            print(
+                f"{variant}: fd's collectives per step: {sum(counts.values())} "
+                f"{dict(sorted(counts.items()))}, "
+                f"{total / 2**20:.2f} MiB per device; torch's: {sum(tcounts.values())} "
+                f"{dict(sorted(tcounts.items()))}"
+            )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gloo_profile(steps: dict, talk: bool, n: int = 5) -> None:
+    """Rank 0's cProfile (own time) and torch.profiler (ops by self CPU time) of ``n`` steps
+    of each step in ``steps`` (every rank runs them, in the same order)."""
+    import cProfile
+    import pstats
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, fn in steps.items():
+        fn()
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            fn()
+        prof.disable()
+        dist.barrier()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for _ in range(n):
+                fn()
+        dist.barrier()
+        if talk:
+            print(f"--- rank 0, cProfile of {n} steps: {name} ---")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            print(f"--- rank 0, torch.profiler of {n} steps: {name} ---")
+            print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def describe(cfg: Config) -> str:
+    return (
+        f"vocab {cfg.vocab}, dim {cfg.dim}, heads {cfg.heads}, hidden {cfg.hidden}, "
+        f"layers {cfg.layers}, seq {cfg.seq}, batch {cfg.batch}"
+    )
+
+
+# --- the simulated part ------------------------------------------------------------------------
+
+
+def unsharded_step(model, tokens, targets):
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(m(tokens), targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        return loss, norm
+
+    def first():
+        loss, norm = step()
+        return loss.item(), norm.item()
+
+    return step, first
+
+
+def simulated_main(args) -> None:
+    torch.set_num_threads(1)
+    cfg = SIM_CFG
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    model = make_model(cfg)
+    tokens, targets = fixed_batch(cfg)
+    u_step, u_first = unsharded_step(model, tokens, targets)
+    want = u_first()
+    print(f"unsharded first step: loss {want[0]:.6f}, grad norm {want[1]:.6f}")
+    steps = {"unsharded (plain torch)": u_step}
+    for variant in VARIANTS:
+        f_step, f_first, _ = fd_step(model, mesh, variant, tokens, targets)
+        got = f_first()
+        ok = all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(got, want, strict=True))
+        print(
+            f"fd {variant} first step: loss {got[0]:.6f}, grad norm {got[1]:.6f}: "
+            f"{'same' if ok else 'DIFFERENT'}"
+        )
+        if not ok:
+            raise SystemExit("fd's step differs from the unsharded one")
+        steps[f"fd {variant}, simulated 2x2"] = f_step
+    if args.profile:
+        profile(steps[f"fd {VARIANTS[0]}, simulated 2x2"], steps["unsharded (plain torch)"])
+        return
+    reps = args.reps or (3 if args.quick else 20)
+    times = interleaved(steps, reps=reps, warmup=1 if args.quick else 2)
+    cpu = {name: median_ms(t.cpu) for name, t in times.items()}
+    wall = {name: median_ms(t.wall) for name, t in times.items()}
+    base = "unsharded (plain torch)"
+    rows = [
+        [
+            name,
+            f"{cpu[name]:.1f}",
+            f"{wall[name]:.1f}",
+            f"{cpu[name] / cpu[base]:.2f}",
+            f"{wall[name] / wall[base]:.2f}",
+            verdict(cpu[name] / cpu[base], SIM_TARGET) if name != base else "",
+        ]
+        for name in steps
+    ]
+    print_table(
+        f"training step, simulated mesh dp 2 x tp 2 vs one device ({describe(cfg)}): medians of "
+        f"{reps} interleaved reps, 1 thread",
+        ["variant", "cpu ms", "wall ms", "/ unsharded", "/ unsharded (wall)", "target"],
+        rows,
+    )
+
+
+def profile(fd_fn, plain_fn, n: int = 3) -> None:
+    """cProfile (Python functions by own time, then cumulative) and torch.profiler (aten ops
+    by self CPU time) of ``n`` steps of fd's step and of the unsharded one."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for fn in (fd_fn, plain_fn):
+        fn()
+    for label, fn in (("fd tp, simulated 2x2", fd_fn), ("unsharded", plain_fn)):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            fn()
+        prof.disable()
+        print(f"--- cProfile of {n} steps: {label} ---")
+        stats = pstats.Stats(prof).sort_stats("tottime")
+        stats.print_stats(30)
+        stats.sort_stats("cumulative").print_stats(60)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for _ in range(n):
+                fn()
+        print(f"--- torch.profiler of {n} steps: {label} ---")
+        print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few repetitions only")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--calls", type=int, default=2, help="back-to-back steps per timed sample (gloo)")
+    parser.add_argument("--profile", action="store_true", help="cProfile fd's simulated step")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if "WORLD_SIZE" in os.environ:
+        torch.set_num_threads(1)
+        gloo_main(args)
+    else:
+        simulated_main(args)
+
+
+if __name__ == "__main__":
+    main()
