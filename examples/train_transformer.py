@@ -116,7 +116,7 @@ def plan_for(variant: str) -> dict:
     data), optionally with sequence parallelism and FSDP-style sharding over "dp"; context
     parallel: every parameter replicated, the sequence split over "cp" by the data."""
     if variant == "cp":
-        return {}
+        return {"": fd.ReplicateParallel("dp")}  # replicated over dp too: one gradient all-reduce
     sp = "sp" in variant.split("+")
     seq = S(1) if sp else R
     plan = {
@@ -140,6 +140,8 @@ def plan_for(variant: str) -> dict:
         }
     if "fsdp" in variant.split("+"):
         plan |= {"layers.*": fd.FullyShard("dp"), "": fd.FullyShard("dp")}
+    else:  # data parallel: the gradients summed over dp in one all-reduce per step
+        plan |= {"": fd.ReplicateParallel("dp")}
     return plan
 
 

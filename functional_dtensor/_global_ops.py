@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _rules as rules
+from . import _varied as varied
 from ._backend import backend_of
 from ._blocks import valid_mask
 from ._collectives import Pvary, on_storage
@@ -336,7 +337,13 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
             key.append(value if handler.by_value or type(value) not in _NUMBERS else type(value))
             local.append(value)
     decision = _DECISIONS.get(tuple(key))
-    if decision is None or not decision.direct or torch.is_grad_enabled() and decision.pvary_any:
+    if (
+        decision is None
+        or not decision.direct
+        or torch.is_grad_enabled()
+        and decision.pvary_any
+        or varied.TABLE
+    ):
         return _dispatch_tree(func, handler, args, {})
     return _wrap(handler.local(func, local, {}, decision.context), decision)
 
@@ -392,11 +399,15 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
             decision = _DECISIONS[key] = decide(func, handler, args, kwargs, tensors)
     grad = torch.is_grad_enabled()
     storages = []
-    for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary):
-        storage = storage_of(t if fits else redistribute(t, layout))
-        if axes and grad and storage.requires_grad:
-            storage = on_storage(storage, decision.output.mesh, Pvary, axes)
-        storages.append(storage)
+    out_varied = frozenset()
+    if varied.TABLE and grad:
+        storages, out_varied = _varied_inputs(tensors, decision)
+    else:
+        for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary):
+            storage = storage_of(t if fits else redistribute(t, layout))
+            if axes and grad and storage.requires_grad:
+                storage = on_storage(storage, decision.output.mesh, Pvary, axes)
+            storages.append(storage)
     feed = iter(storages)
     if tree is None:
         local = [next(feed) if type(v) is DTensor else v for v in leaves]
@@ -406,7 +417,32 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
         local_args, local_kwargs = tree.unflatten(
             [next(feed) if type(v) is DTensor else _on_mesh(v, mesh) for v in leaves]
         )
-    return _wrap(handler.local(func, local_args, local_kwargs, decision.context), decision)
+    out = _wrap(handler.local(func, local_args, local_kwargs, decision.context), decision)
+    if out_varied:
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            varied.mark(storage_of(value), out_varied)
+    return out
+
+
+def _varied_inputs(tensors: list[DTensor], decision: Decision) -> tuple[list[torch.Tensor], frozenset]:
+    """The inputs' storages where some are varied (see :mod:`._varied`), and the axes the
+    output is varied over: no ``pvary`` over an input's varied axes; where the output is
+    replicated over an axis an input is varied over, the output is varied there too and every
+    other input needing a gradient gets ``pvary`` there."""
+    mesh = decision.output.mesh
+    replicated = {n for n, p in zip(mesh.axis_names, decision.output.placements) if p.is_replicate()}
+    entries = []
+    for t, fits, layout in zip(tensors, decision.fits, decision.inputs):
+        storage = storage_of(t if fits else redistribute(t, layout))  # redistribute keeps marks
+        entries.append((storage, varied.axes_of(storage)))
+    out_varied = frozenset().union(*(axes for _, axes in entries)) & replicated
+    storages = []
+    for (storage, axes), needed in zip(entries, decision.pvary):
+        need = (set(needed) | out_varied) - axes
+        if need and storage.requires_grad:
+            storage = on_storage(storage, mesh, Pvary, tuple(n for n in mesh.axis_names if n in need))
+        storages.append(storage)
+    return storages, out_varied
 
 
 _DECISION_LIST: list[Decision] = []

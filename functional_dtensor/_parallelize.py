@@ -50,17 +50,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import nn
 
+from . import _varied as varied
 from ._dtensor import DTensor, distribute_tensor, new_value, storage_of
 from ._errors import InputTypeError, LayoutError, explain
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
-from ._redistribute import redistribute
+from ._redistribute import gather_varied, redistribute
 from ._spec import P
+
+NAMESPACE = "functional_dtensor"
 
 __all__ = [
     "ColwiseParallel",
@@ -446,6 +450,19 @@ def _build(module, mesh, styles_of, layouts, root_fns, api) -> ShardedModule:
                 _entries(entries, 0, fsdp_units[unit])
                 managed.setdefault(unit, []).append(name)
         specs[name] = Layout.from_spec(mesh, P(*entries), where=f"{api} (parameter {name!r})")
+    # data-parallel replication: the parameters under a ReplicateParallel, replicated over its
+    # axis, have their gradients summed over it in one all-reduce per step
+    replicated_over: dict[str, list[str]] = {}
+    for mod_name, styles in styles_of.items():
+        for style in styles:
+            if isinstance(style, ReplicateParallel):
+                for name in (n for n in params if n in trainable):  # one order on every rank
+                    owned = owner[name]
+                    inside = mod_name in ("", owned) or owned.startswith(f"{mod_name}.")
+                    index = mesh.axis_names.index(style.axis)
+                    chosen = replicated_over.setdefault(style.axis, [])
+                    if inside and specs[name].placements[index].is_replicate() and name not in chosen:
+                        chosen.append(name)
 
     values = {}
     for name, tensor in params.items():
@@ -464,7 +481,8 @@ def _build(module, mesh, styles_of, layouts, root_fns, api) -> ShardedModule:
         for name, binding in bindings.items()
     }
     _install_hooks(skeleton, mesh, styles_of, managed, places, specs, root_fns)
-    return ShardedModule(sharded_params, _Apply(skeleton, places, set(sharded_params), buffers, api))
+    apply = _Apply(skeleton, mesh, places, set(sharded_params), buffers, replicated_over)
+    return ShardedModule(sharded_params, apply)
 
 
 def _unit_of(mod_name: str, units: dict[str, str]) -> str | None:
@@ -531,7 +549,8 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, specs, root_fns) 
             if wanted_out is not None:
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
     for unit, names in managed.items():
-        modules[unit].register_forward_pre_hook(_gather_hook(names, places, specs))
+        axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
+        modules[unit].register_forward_pre_hook(_gather_hook(names, places, axis))
     if root_fns is not None:
         input_fn, output_fn = root_fns
         if input_fn is not None:
@@ -566,7 +585,7 @@ def _output_hook(mesh, axis, wanted, where):
     return hook
 
 
-def _gather_hook(names, places, specs):
+def _gather_hook(names, places, axis):
     """Before a FullyShard module's forward: its parameters, gathered over the data axis,
     replace the sharded ones for this call (their gradients flow back to the shards)."""
 
@@ -575,7 +594,7 @@ def _gather_hook(names, places, specs):
             sub, attr = places[name][0]
             value = sub._parameters[attr]
             if isinstance(value, DTensor):
-                gathered = redistribute(value, _gathered(value.layout))
+                gathered = gather_varied(value, _gathered(value.layout), (axis,))
                 for sub, attr in places[name]:
                     sub._parameters[attr] = gathered
 
@@ -595,12 +614,13 @@ class _Apply:
     """``apply(params, *args, **kwargs)``: the module's forward with ``params`` (and the
     module's buffers, replicated) in place of its tensors, for the call only."""
 
-    def __init__(self, skeleton, places, names, buffers, api) -> None:
+    def __init__(self, skeleton, mesh, places, names, buffers, replicated_over) -> None:
         self._skeleton = skeleton
+        self._mesh = mesh
+        self._replicated_over = replicated_over
         self._places = places
         self._names = frozenset(names)
         self._buffers = buffers
-        self._api = api
         self._lock = threading.RLock()
         self.__name__ = f"apply_{type(skeleton).__name__}"
         self.__qualname__ = self.__name__
@@ -612,6 +632,11 @@ class _Apply:
     def buffers(self) -> dict[str, DTensor]:
         """The module's buffers, replicated on the mesh (constants of ``apply``)."""
         return dict(self._buffers)
+
+    def _invariant(self, value):
+        if isinstance(value, DTensor) and varied.axes_of(storage_of(value)):
+            return new_value(varied.invariant(storage_of(value), self._mesh), value.layout, value.shape)
+        return value
 
     def _check(self, params) -> None:
         where = f"{self.__name__}(params)"
@@ -650,14 +675,21 @@ class _Apply:
 
     def __call__(self, params, *args, **kwargs):
         self._check(params)
-        with self._lock:
+        with self._lock, varied.scope():
+            params = dict(params)
+            for axis, names in self._replicated_over.items():
+                storages = varied.vary_all([storage_of(params[n]) for n in names], self._mesh, (axis,))
+                for name, storage in zip(names, storages):
+                    params[name] = new_value(storage, params[name].layout, params[name].shape)
             for source in (params, self._buffers):
                 for name, value in source.items():
                     for sub, attr in self._places[name]:
                         table = sub._parameters if attr in sub._parameters else sub._buffers
                         table[attr] = value
             try:
-                return self._skeleton(*args, **kwargs)
+                out = self._skeleton(*args, **kwargs)
+                # a value leaving the forward varied is made invariant (a loss computed inside)
+                return optree.tree_map(self._invariant, out, namespace=NAMESPACE)
             finally:
                 for name in self._places:
                     for sub, attr in self._places[name]:

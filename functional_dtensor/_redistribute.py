@@ -23,6 +23,7 @@ import torch
 
 from . import _autograd as autograd
 from . import _blocks as blocks
+from . import _varied as varied
 from ._backend import backend_of
 from ._cache import cached
 from ._dtensor import DTensor, layout_for, storage_of, without_partial
@@ -47,7 +48,7 @@ from ._plan import (
     plan,
 )
 
-__all__ = ["redistribute", "layout_key", "layout_of_key"]
+__all__ = ["redistribute", "gather_varied", "layout_key", "layout_of_key"]
 
 
 def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
@@ -70,11 +71,49 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
         return x
     storage = storage_of(x)
     shape = tuple(x.shape)
+    if varied.TABLE and varied.axes_of(storage):  # a data-parallel parameter in a sharded forward
+        return _redistribute_varied(x, target)
     back_source, back_target, same = _back(x.layout, target)
     steps = _steps(x.layout, target, shape, storage)
     back = (back_source, back_target, () if same else _steps(back_source, back_target, shape, storage))
     storage = autograd.apply(_Redistribute, storage, x.layout, target, shape, steps, back)
     return DTensor(storage, target, x.shape)
+
+
+def _redistribute_varied(x: DTensor, target: Layout) -> DTensor:
+    """A varied value (see :mod:`._varied`) redistributed: still varied where its axes keep
+    their placements, made invariant first where they change."""
+    storage, mesh = storage_of(x), x.device_mesh
+    axes = varied.axes_of(storage)
+    moved = {n for n, a, b in zip(mesh.axis_names, x.placements, target.placements) if a != b}
+    if moved & axes:
+        return redistribute(DTensor(varied.invariant(storage, mesh), x.layout, x.shape), target)
+    with varied.scope():
+        varied.TABLE.clear()  # redistributed as an ordinary value, then marked again
+        out = redistribute(x, target)
+    varied.mark(storage_of(out), axes)
+    return out
+
+
+def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...]) -> DTensor:
+    """``x`` gathered to ``placements`` over the mesh ``axes`` (where it is sharded), varied
+    over them (see :mod:`._varied`): the gradient comes back as each device's part and the
+    backward sums the parts into ``x``'s shards, a reduce-scatter. For a fully-sharded
+    parameter in a sharded forward."""
+    mesh = x.device_mesh
+    target = layout_for(mesh, placements, x.ndim, "fd.redistribute")
+    storage, shape = storage_of(x), tuple(x.shape)
+    parts = Layout(
+        mesh,
+        tuple(Partial() if name in axes else p for name, p in zip(mesh.axis_names, target.placements)),
+        target.shard_order,
+    )
+    source = without_partial(x.layout)
+    back = (parts, source, _steps(parts, source, shape, storage))
+    out = autograd.apply(
+        _Redistribute, storage, x.layout, target, shape, _steps(x.layout, target, shape, storage), back
+    )
+    return DTensor(varied.mark(out, {*axes, *varied.axes_of(storage)}), target, x.shape)
 
 
 def _steps(source: Layout, target: Layout, shape: tuple[int, ...], storage: torch.Tensor) -> tuple[Step, ...]:

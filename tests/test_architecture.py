@@ -33,6 +33,7 @@ FLOORS = {
     "values": ["_dtensor", "_factories", "random"],
     "transformations": [
         "_tracking",
+        "_varied",
         "_shard_map",
         "_redistribute",
         "_local_map",

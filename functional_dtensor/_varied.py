@@ -1,0 +1,109 @@
+"""Values whose gradients are summed later: data-parallel parameters during a sharded forward.
+
+A global op on a value replicated over a mesh axis where its output is not (a weight times a
+batch split over ``dp``) inserts ``pvary`` there, whose transpose sums the devices' gradients:
+one all-reduce per use. Data parallelism sums them once instead. While a sharded module's
+forward runs (:func:`scope`), a parameter replicated over a data axis is **varied** over it: it
+holds the same value on every device, but its gradient is each device's own part, and a
+single backward step sums them, for all the parameters at once (:func:`vary_all`: one
+all-reduce) or into a fully-sharded parameter's shards (a reduce-scatter). The marks are kept
+here by storage, for the call only; the global ops read them:
+
+- an input varied over an axis gets no ``pvary`` there;
+- an op whose output is replicated over an axis that an input is varied over makes its output
+  varied over it too, and gives its other inputs ``pvary`` there (their gradients arrive as
+  parts as well) — JAX's rule for values of differing ``vma``;
+- a varied value redistributed over its axes, or leaving the forward, is made invariant first
+  (:func:`invariant`: the transpose splits the replicated gradient among the devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ._backend import backend_of
+from ._collectives import AllReduce, SplitCotangent, on_storage
+from ._mesh import DeviceMesh
+
+__all__ = ["TABLE", "axes_of", "mark", "scope", "invariant", "vary_all"]
+
+#: id(storage) -> (storage, the axes it is varied over), while a forward runs
+TABLE: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+
+
+def axes_of(storage: torch.Tensor) -> frozenset[str]:
+    entry = TABLE.get(id(storage))
+    return entry[1] if entry is not None and entry[0] is storage else frozenset()
+
+
+def mark(storage: torch.Tensor, axes) -> torch.Tensor:
+    if axes:
+        TABLE[id(storage)] = (storage, frozenset(axes))
+    return storage
+
+
+@contextlib.contextmanager
+def scope():
+    """The marks made inside are dropped at the end (those of an enclosing scope kept)."""
+    before = dict(TABLE)
+    try:
+        yield
+    finally:
+        TABLE.clear()
+        TABLE.update(before)
+
+
+def _ordered(mesh: DeviceMesh, axes) -> tuple[str, ...]:
+    return tuple(name for name in mesh.axis_names if name in axes)
+
+
+def invariant(storage: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``storage`` no longer varied: the same values; the replicated gradient that comes back
+    is split evenly among the devices of its axes, as parts to be summed."""
+    axes = axes_of(storage)
+    if not axes or not storage.requires_grad:
+        return storage
+    return on_storage(storage, mesh, SplitCotangent, _ordered(mesh, axes))
+
+
+class _VaryAll(torch.autograd.Function):
+    """The same storages, varied over ``axes``: the backward sums every gradient's parts over
+    ``axes`` in one all-reduce of their concatenation (per dtype)."""
+
+    @staticmethod
+    def forward(ctx, mesh, axes, *storages):
+        ctx.mesh, ctx.axes = mesh, axes
+        return tuple(s.view_as(s) for s in storages)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lead = 1 if backend_of(ctx.mesh).stacked else 0
+        out = list(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(i)
+        for indices in by_dtype.values():
+            parts = [grads[i] for i in indices]
+            flat = torch.cat([g.reshape(*g.shape[:lead], -1) for g in parts], dim=lead)
+            summed = on_storage(flat, ctx.mesh, AllReduce, ctx.axes, op="sum")
+            sizes = [g[(0,) * lead].numel() if lead else g.numel() for g in parts]
+            for i, piece, g in zip(indices, summed.split(sizes, dim=lead), parts):
+                out[i] = piece.reshape(g.shape)
+        return (None, None, *out)
+
+
+def vary_all(storages: list[torch.Tensor], mesh: DeviceMesh, axes) -> list[torch.Tensor]:
+    """``storages`` (replicated over ``axes``) varied over them; their gradients are summed
+    in one all-reduce per dtype."""
+    axes = _ordered(mesh, axes)
+    needing = [i for i, s in enumerate(storages) if s.requires_grad]
+    if not axes or not needing or mesh.axis_size(axes) == 1:
+        return storages
+    varied = _VaryAll.apply(mesh, axes, *[storages[i] for i in needing])
+    out = list(storages)
+    for i, s in zip(needing, varied):
+        out[i] = mark(s, axes)
+    return out
