@@ -431,3 +431,45 @@ def test_a_checkpoint_resumes_training_on_another_layout_and_backend(backend, me
         )
         for name, p in trained.named_parameters():
             torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+# --- data parallelism: one gradient reduction ---------------------------------------------------
+
+
+class _Mixed(nn.Module):
+    """A linear layer, plus terms that use the weights without the batch (a regularizer on
+    the weight, a replicated scale): their gradients come back whole, not per device."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 8)  # rows split evenly over the 4 devices
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale
+        return y, (self.lin.weight * self.lin.weight).sum() * self.scale
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_data_parallel_gradients_are_reduced_once(style):
+    torch.manual_seed(0)
+    model = _Mixed()
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    unit = fd.ReplicateParallel("dp") if style == "replicate" else fd.FullyShard("dp")
+    sharded = fd.parallelize_module(model, mesh, {"": unit, "lin": fd.ColwiseParallel()})
+    x = torch.randn(8, 4)
+    with fd.CommDebugMode() as comm:
+        y, reg = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, fd.P("dp")))
+        loss = (y * y).sum() + reg
+        forward = comm.get_comm_counts()
+        grads = torch.autograd.grad(loss, list(sharded.params.values()))
+    expected_y, expected_reg = model(x)
+    expected = torch.autograd.grad((expected_y * expected_y).sum() + expected_reg, list(model.parameters()))
+    for name, g, e in zip(sharded.params, grads, expected):
+        torch.testing.assert_close(g.full_tensor(), e, rtol=1e-5, atol=1e-5, msg=name)
+    backward = {op: n - forward.get(op, 0) for op, n in comm.get_comm_counts().items()}
+    if style == "replicate":  # every parameter's dp sum in one all-reduce
+        dp_reductions = [e for e in comm.events if e.op == "all_reduce" and e.axes == ("dp",)]
+        assert len(dp_reductions) == 1, comm.events
+    else:  # each gathered parameter's gradient reduce-scattered into its shards
+        assert backward.get("reduce_scatter", 0) == 2, backward  # weight and bias (the scale is 0-d)
