@@ -12,12 +12,12 @@ layout and the global shape alone (``shard_table``), so it needs no communicatio
 >>> mesh = fd.simulated_mesh(4, "x")
 >>> x = fd.distribute_tensor(torch.arange(10.0), mesh, fd.P("x"))
 >>> fd.visualize_sharding(x, use_rich=False)
-     (10,) as S(0) on [x=4]
-+--------+--------+--------+--------+
-|  0:3   |  3:6   |  6:9   |  9:10  |
-|--------+--------+--------+--------|
-|   0    |   1    |   2    |   3    |
-+--------+--------+--------+--------+
+(10,) as S(0) on [x=4]
++--------------+--------------+--------------+------+
+|     0:3      |     3:6      |     6:9      | 9:10 |
++--------------+--------------+--------------+------+
+|      0       |      1       |      2       |  3   |
++--------------+--------------+--------------+------+
 
 This module also installs ``_repr_html_`` on ``fd.DeviceMesh``, ``fd.Layout``, ``fd.DTensor``
 and ``fd.PlanReport`` (a small self-contained HTML string each, exported by rich).
@@ -33,7 +33,7 @@ import torch
 
 from ._dtensor import DTensor
 from ._errors import InputTypeError, LayoutError, ShapeError, explain
-from ._explain import PlanReport, _size
+from ._explain import PlanReport
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placements import Partial, Replicate, Shard
@@ -134,18 +134,18 @@ def sharding_picture(
     >>> import torch, functional_dtensor as fd
     >>> mesh = fd.simulated_mesh((2, 2), ("x", "y"))
     >>> print(fd.sharding_picture(fd.Layout(mesh, [fd.Shard(0), fd.Replicate()]), (4, 4)))
-      (4, 4) as S(0)R on [x=2, y=2]
-         ┌──────────────────────┐
-         │         0:4          │
-    ├─────┼──────────────────────┤
-    │ 0:2 │                      │
-    │     │         0,1          │
-    │     │                      │
-    ├─────┼──────────────────────┤
-    │ 2:4 │                      │
-    │     │         2,3          │
-    │     │                      │
-    └─────┴──────────────────────┘
+    (4, 4) as S(0)R on [x=2, y=2]
+    ┌─────┬────────────────────────┐
+    │     │          0:4           │
+    ├─────┼────────────────────────┤
+    │ 0:2 │                        │
+    │     │          0,1           │
+    │     │                        │
+    ├─────┼────────────────────────┤
+    │ 2:4 │                        │
+    │     │          2,3           │
+    │     │                        │
+    └─────┴────────────────────────┘
     """
     where = "fd.sharding_picture"
     if header is not None and not isinstance(header, str):
@@ -225,13 +225,13 @@ def visualize_sharding(
     >>> mesh = fd.simulated_mesh(2, "x")
     >>> x = fd.distribute_tensor(torch.ones(4, 2, 2), mesh, fd.P(None, "x"))
     >>> fd.visualize_sharding(x, use_rich=False)
-                 (4, 2, 2) as S(1) on [x=2]
-    +--------+--------+------------+-------------+-------+
-    | device | x      | holds      | local shape | bytes |
-    |--------+--------+------------+-------------+-------|
-    | 0      | (0,)   | [:, 0:1, :]| (4, 1, 2)   | 32 B  |
-    | 1      | (1,)   | [:, 1:2, :]| (4, 1, 2)   | 32 B  |
-    +--------+--------+------------+-------------+-------+
+    (4, 2, 2) as S(1) on [x=2]
+    +--------+------+-------------+-------------+-------+
+    | device | x    | holds       | local shape | bytes |
+    +--------+------+-------------+-------------+-------+
+    | 0      | (0,) | [:, 0:1, :] | (4, 1, 2)   | 32 B  |
+    | 1      | (1,) | [:, 1:2, :] | (4, 1, 2)   | 32 B  |
+    +--------+------+-------------+-------------+-------+
     """
     picture = sharding_picture(x, shape, header=header, dtype=dtype)
     if not _is_lead_process():
@@ -388,7 +388,7 @@ def _summary(picture: ShardingPicture, box_style):
             str(coordinate),
             f"[{', '.join(spans)}]",
             str(tuple(local)),
-            _size(numel * itemsize),
+            _nbytes(numel * itemsize),
         ]
         if partial:
             row.append(" ".join(f"{mesh.axis_names[a]}={coordinate[a]}" for a in partial))
@@ -405,6 +405,14 @@ def _titled(title: str, table, notes: str):
 
 
 # --- output -----------------------------------------------------------------------------------
+
+
+def _nbytes(n: int) -> str:
+    """Bytes as ``explain_redistribute`` prints them: ``48 B``, ``1.50 KiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def _is_lead_process() -> bool:
