@@ -343,13 +343,14 @@ def _devices(devices: list[int]) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in out)
 
 
-def _notes(layout: Layout, empty: list[int]) -> str:
+def _notes(layout: Layout, empty: list[int], *, grid: bool = True) -> str:
     lines = []
     partial = [a for a, p in enumerate(layout.placements) if isinstance(p, Partial)]
     if partial:
         names = ", ".join(layout.mesh.axis_names[a] for a in partial)
         ops = "/".join(dict.fromkeys(layout.placements[a].op for a in partial))
-        lines.append(f"P({ops}) a+b: partial values over {names}; their {ops} is the block")
+        what = f"P({ops}) a+b" if grid else "part"
+        lines.append(f"{what}: partial values over {names}; their {ops} is the block")
     if empty:
         lines.append(f"empty shards (no elements): {_devices(empty)}")
     return "\n".join(lines)
@@ -393,7 +394,8 @@ def _summary(picture: ShardingPicture, box_style):
         if partial:
             row.append(" ".join(f"{mesh.axis_names[a]}={coordinate[a]}" for a in partial))
         out.add_row(*row, style=Style(color="black", bgcolor=color) if 0 not in local else None)
-    return _titled(picture.title, out, _notes(layout, []))
+    empty = [d for d, local in enumerate(table.local_shapes) if 0 in local]
+    return _titled(picture.title, out, _notes(layout, empty, grid=False))
 
 
 def _titled(title: str, table, notes: str):
