@@ -280,7 +280,9 @@ def _grid(picture: ShardingPicture, box_style):
         total=max(24, min(72, 12 * len(cols))),
     )
     heights = (
-        _proportional([b - a for a, b in rows], [1] * len(rows), total=3 * len(rows)) if rows[0] else [1]
+        _proportional([b - a for a, b in rows], [1] * len(rows), total=min(3 * len(rows), 12))
+        if rows[0]
+        else [1]
     )
     out = Table(box=box_style, show_lines=True, padding=0, pad_edge=False)
     if rows[0]:
