@@ -255,50 +255,41 @@ def _grid(picture: ShardingPicture, box_style):
 
     layout, shape = picture.layout, picture.shape
     table = shard_table(layout, shape)
-    rows = _intervals(layout, shape, 0) if len(shape) == 2 else [None]
+    two_d = len(shape) == 2
+    rows = _intervals(layout, shape, 0) if two_d else [None]  # a 1-d value is one row
     cols = _intervals(layout, shape, len(shape) - 1)
-    cells: dict[tuple, list[int]] = {}
+    cells: dict[tuple, list[int]] = {}  # (row range, column range) -> the devices holding it
     empty = []
     for device, (local, offset) in enumerate(zip(table.local_shapes, table.offsets)):
         if 0 in local:
             empty.append(device)
             continue
         spans = [(o, o + n) for o, n in zip(offset, local)]
-        key = (spans[0] if len(shape) == 2 else None, spans[-1])
-        cells.setdefault(key, []).append(device)
+        cells.setdefault((spans[0] if two_d else None, spans[-1]), []).append(device)
     labels = {key: _label(layout, devices) for key, devices in cells.items()}
-    colors = {
-        key: PALETTE[i % len(PALETTE)] for i, key in enumerate(sorted(cells, key=lambda k: cells[k][0]))
-    }
+    colors = {key: PALETTE[i % len(PALETTE)] for i, key in enumerate(cells)}  # in device order
+
+    def narrowest(col) -> int:
+        texts = [f"{col[0]}:{col[1]}"] + [labels[r, col] for r in rows if (r, col) in labels]
+        return max(len(t) for t in texts) + 2
 
     widths = _proportional(
-        [b - a for a, b in cols],
-        [
-            max([len(f"{a}:{b}")] + [len(labels[(r, (a, b))]) for r in rows if (r, (a, b)) in labels]) + 2
-            for a, b in cols
-        ],
-        total=max(24, min(72, 12 * len(cols))),
+        [b - a for a, b in cols], [narrowest(c) for c in cols], total=max(24, min(72, 12 * len(cols)))
     )
-    heights = (
-        _proportional([b - a for a, b in rows], [1] * len(rows), total=min(3 * len(rows), 12))
-        if rows[0]
-        else [1]
-    )
+    heights = [1]
+    if two_d:
+        heights = _proportional([b - a for a, b in rows], [1] * len(rows), total=min(3 * len(rows), 12))
     out = Table(box=box_style, show_lines=True, padding=0, pad_edge=False)
-    if rows[0]:
-        out.add_column(
-            "", justify="left", no_wrap=True, min_width=len(max((f" {a}:{b} " for a, b in rows), key=len))
-        )
+    if two_d:
+        out.add_column("", no_wrap=True)
     for (a, b), width in zip(cols, widths):
         out.add_column(f"{a}:{b}", justify="center", width=width, no_wrap=True)
     for r, height in zip(rows, heights):
-        row = [f" {r[0]}:{r[1]} "] if r else []
+        row = [f" {r[0]}:{r[1]} "] if two_d else []
         for c in cols:
-            key = (r, c)
-            style = Style(color="black", bgcolor=colors[key]) if key in colors else Style()
-            row.append(
-                Align(Text(labels.get(key, "")), "center", vertical="middle", height=height, style=style)
-            )
+            style = Style(color="black", bgcolor=colors[r, c]) if (r, c) in colors else Style()
+            label = Text(labels.get((r, c), ""))
+            row.append(Align(label, "center", vertical="middle", height=height, style=style))
         out.add_row(*row)
     return _titled(picture.title, out, _notes(layout, empty))
 
