@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 
 import pytest
 import torch
@@ -218,7 +219,10 @@ def test_html_reprs():
     x = fd.distribute_tensor(torch.zeros(4, 4), GRID, [Pa(), S(0)])
     value_html = x._repr_html_()
     assert "DTensor shape (4, 4), torch.float32" in value_html and "P(sum) 0+2" in value_html
-    assert "background-color" in value_html  # one colour per block
+    assert len(set(re.findall(r"background-color: ?(#[0-9a-f]{6})", value_html))) == 2  # one per block
+    split = fd.distribute_tensor(torch.zeros(4, 4), GRID, fd.P("x", "y"))._repr_html_()
+    assert len(set(re.findall(r"background-color: ?(#[0-9a-f]{6})", split))) == 4
+    assert "<html" not in value_html  # a fragment, not a page
     report = fd.explain_redistribute(x, fd.P(), show=False)
     assert "all_reduce" in report._repr_html_() or "all_gather" in report._repr_html_()
     assert repr(report) == f"<PlanReport {report.summary}>"
