@@ -146,6 +146,10 @@ def test_pictures_of_small_cases(layout, shape, expected):
     assert picture(layout, shape) == expected
 
 
+def test_a_negative_shard_dim_counts_from_the_end():
+    assert picture(fd.Layout(LINE, [S(-1)]), (5,)) == ONE_D_UNEVEN
+
+
 def test_a_value_draws_as_its_layout_and_shape():
     x = fd.distribute_tensor(torch.arange(5.0), LINE, fd.P("x"))
     assert picture(x) == ONE_D_UNEVEN
