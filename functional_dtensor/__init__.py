@@ -63,12 +63,16 @@ from ._ring_attention import context_parallel, context_parallel_attention, ring_
 from ._shard_map import shard_map
 from ._spec import P
 from ._torch_ops import install as _install_torch_ops  # noqa: F401  (torch ops on fd.DTensor)
+from ._visualize import ShardingPicture, sharding_picture, visualize_sharding  # and the HTML reprs
 from .random import rand, randn
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CommDebugMode",
+    "visualize_sharding",
+    "sharding_picture",
+    "ShardingPicture",
     "all_gather",
     "all_to_all",
     "axis_index",

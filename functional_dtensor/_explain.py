@@ -42,6 +42,9 @@ class PlanReport(NamedTuple):
     total_bytes: Fraction
     lower_bound: Fraction
 
+    def __repr__(self) -> str:
+        return f"<PlanReport {self.summary}>"
+
     @property
     def summary(self) -> str:
         count = len(self.steps)

@@ -45,6 +45,7 @@ FLOORS = {
     ],
     "tools": [
         "_explain",
+        "_visualize",
         "_comm_debug",
         "checkpoint",
         "_interop",
