@@ -43,6 +43,7 @@ from ._global_ops import register_sharding
 from ._interop import from_torch, to_torch
 from ._layout import Layout
 from ._local_map import local_map
+from ._log import set_logs
 from ._mesh import DeviceMesh, simulated_mesh
 from ._optim import Optimizer, clip_grad_norm
 from ._parallelize import (
@@ -140,4 +141,5 @@ __all__ = [
     "distribute_module",
     "Optimizer",
     "clip_grad_norm",
+    "set_logs",
 ]

@@ -20,6 +20,7 @@ shapes, dtypes, the op's other arguments), so a repeated call costs a lookup and
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import NamedTuple
@@ -28,6 +29,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
+from . import _log as log
 from . import _rules as rules
 from . import _varied as varied
 from ._backend import backend_of
@@ -397,6 +399,8 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
         if decision is None:
             _check_values(handler.name, leaves, tensors)
             decision = _DECISIONS[key] = decide(func, handler, args, kwargs, tensors)
+            if log.rules.isEnabledFor(logging.INFO):
+                _log_decision(handler.name, tensors, decision)
     grad = torch.is_grad_enabled()
     storages = []
     out_varied = frozenset()
@@ -464,8 +468,39 @@ def _decision_index(func_id: int, names: tuple[str, ...], spec: tuple) -> int:
         handler = _HANDLERS[func]
         _check_values(handler.name, leaves, tensors)
         index = _DECISION_INDEX[(func, names, spec)] = len(_DECISION_LIST)
-        _DECISION_LIST.append(decide(func, handler, args, kwargs, tensors))
+        decision = decide(func, handler, args, kwargs, tensors)
+        _DECISION_LIST.append(decision)
+        if log.compiling.isEnabledFor(logging.INFO):
+            log.compiling.info(
+                "%s: decision %d made while Dynamo traces, outside the graph (inputs %s)",
+                handler.name,
+                index,
+                log.layouts(t.layout for t in tensors),
+            )
+        if log.rules.isEnabledFor(logging.INFO):
+            _log_decision(handler.name, tensors, decision)
     return index
+
+
+def _log_decision(name: str, tensors: list[DTensor], decision: Decision) -> None:
+    """A decision as one line on the ``functional_dtensor.rules`` logger: the inputs' layouts,
+    those the rule needs where they differ, the output's, the bytes the redistributes move
+    (``matmul: S(1)R, S(0)R -> P(sum)R (no communication)``); at DEBUG, the shapes and each
+    input's redistribute."""
+    current = log.layouts(t.layout for t in tensors)
+    needed = "" if decision.direct else f" need {log.layouts(decision.inputs)}"
+    cost = f"redistributes {log.size(decision.cost)} per device" if decision.cost else "no communication"
+    if not decision.direct and not decision.cost:
+        cost = "local redistributes, no communication"
+    log.rules.info("%s: %s%s -> %s (%s)", name, current, needed, decision.output, cost)
+    if log.rules.isEnabledFor(logging.DEBUG):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        out = ", ".join(str(tuple(s)) for s in decision.out_shapes)
+        log.rules.debug("  %s: shapes %s -> %s on %s", name, shapes, out, decision.output.mesh)
+        for i, (t, steps) in enumerate(zip(tensors, decision.steps)):
+            if steps:
+                moves = ", ".join(str(step) for step in steps)
+                log.rules.debug("  %s: input %d %s -> %s by %s", name, i, t.layout, decision.inputs[i], moves)
 
 
 @torch._dynamo.assume_constant_result

@@ -17,12 +17,14 @@ value.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
 
 from . import _autograd as autograd
 from . import _blocks as blocks
+from . import _log as log
 from . import _varied as varied
 from ._backend import backend_of
 from ._cache import cached
@@ -46,6 +48,7 @@ from ._plan import (
     Swap,
     permutation_pairs,
     plan,
+    step_bytes,
 )
 
 __all__ = ["redistribute", "gather_varied", "layout_key", "layout_of_key"]
@@ -75,7 +78,7 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
         return _redistribute_varied(x, target)
     back_source, back_target, same = _back(x.layout, target)
     steps = _steps(x.layout, target, shape, storage)
-    back = (back_source, back_target, () if same else _steps(back_source, back_target, shape, storage))
+    back = (back_source, back_target, () if same else _steps(back_source, back_target, shape, storage, True))
     storage = autograd.apply(_Redistribute, storage, x.layout, target, shape, steps, back)
     return DTensor(storage, target, x.shape)
 
@@ -116,15 +119,20 @@ def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...
     return DTensor(varied.mark(out, {*axes, *varied.axes_of(storage)}), target, x.shape)
 
 
-def _steps(source: Layout, target: Layout, shape: tuple[int, ...], storage: torch.Tensor) -> tuple[Step, ...]:
+def _steps(
+    source: Layout, target: Layout, shape: tuple[int, ...], storage: torch.Tensor, gradient: bool = False
+) -> tuple[Step, ...]:
     """The planned steps from ``source`` to ``target``, found outside any compiled graph (the
     planner is not traced: under ``torch.compile`` it runs eagerly from keys, and the graph
-    rebuilds the steps from constants)."""
+    rebuilds the steps from constants). ``gradient``: a cotangent's way back (for the log)."""
     integral = not (storage.is_floating_point() or storage.is_complex())
     if not torch.compiler.is_compiling():
-        return _PLANS[
+        steps = _PLANS[
             _plan_index(layout_key(source), layout_key(target), shape, storage.element_size(), integral)
         ]
+        if log.plans.isEnabledFor(logging.INFO):
+            _log_plan((source, target, shape, storage.element_size(), integral), steps, gradient)
+        return steps
     keys = _plan_key(layout_key(source), layout_key(target), shape, storage.element_size(), integral)
     return tuple(
         [
@@ -188,7 +196,7 @@ class _Redistribute(torch.autograd.Function):
         if source == target:
             return g, None, None, None, None, None
         # its own backward: the cotangent moves back the way the forward went, Partial as Replicate
-        again = (target, source, _steps(target, source, ctx.shape, g))
+        again = (target, source, _steps(target, source, ctx.shape, g, True))
         return (
             autograd.apply(_Redistribute, g, source, target, ctx.shape, steps, again),
             None,
@@ -250,6 +258,15 @@ def _reverse_key(source_key: tuple, target_key: tuple) -> tuple:
 def _plan_key(source_key: tuple, target_key: tuple, shape: tuple, itemsize: int, integral: bool) -> tuple:
     """A plan as constants: per step its kind, its layouts' keys, its axes and other fields."""
     steps = _PLANS[_plan_index(source_key, target_key, shape, itemsize, integral)]
+    if log.compiling.isEnabledFor(logging.INFO):
+        source, target = layout_of_key(source_key), layout_of_key(target_key)
+        log.compiling.info(
+            "redistribute %s -> %s on %s planned outside the graph: %s",
+            source,
+            target,
+            shape,
+            ", ".join(str(s) for s in steps) or "no steps",
+        )
     return tuple(
         [
             (
@@ -295,6 +312,34 @@ def _plan_index(
         _PLAN_INDEX[steps] = len(_PLANS)
         _PLANS.append(steps)
     return _PLAN_INDEX[steps]
+
+
+_LOGGED_PLANS: set[tuple] = set()  # the plans logged: each once
+
+
+def _log_plan(key: tuple, steps: tuple[Step, ...], gradient: bool) -> None:
+    """``S(0)R -> RR on (8, 4): all_gather(x); 96 B per device`` (at DEBUG, a line per step),
+    once per plan; ``gradient``: the plan of a cotangent's way back."""
+    if (key, gradient) in _LOGGED_PLANS:
+        return
+    _LOGGED_PLANS.add((key, gradient))
+    source, target, shape, itemsize, _ = key
+    costs = [step_bytes(step, shape, itemsize) for step in steps]
+    moved = sum(costs, 0)
+    log.plans.info(
+        "%s -> %s on %s%s: %s; %s",
+        source,
+        target,
+        shape,
+        " (the gradient's way back)" if gradient else "",
+        ", ".join(str(step) for step in steps) or "no steps",
+        f"{log.size(moved)} per device" if moved else "no communication",
+    )
+    if log.plans.isEnabledFor(logging.DEBUG):
+        for i, (step, cost) in enumerate(zip(steps, costs), 1):
+            log.plans.debug(
+                "  step %d %s: %s -> %s, %s per device", i, step, step.source, step.target, log.size(cost)
+            )
 
 
 # --- the executor: one function per step ------------------------------------------------------

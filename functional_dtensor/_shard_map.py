@@ -19,6 +19,7 @@ plan, so that a call does little more than flatten its arguments and run the fun
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeAlias, overload
 
@@ -26,6 +27,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _log as log
 from ._backend import backend_of, memory_of
 from ._cache import cached
 from ._collectives import Pvary, SplitCotangent, VaryHeldOnce, on_storage, pvary
@@ -207,6 +209,15 @@ def _planned(plans: dict, key, make, compiling: bool) -> _Plan:
     return plan
 
 
+def _log_plan(m: _Mapping, what: str, plan: _Plan) -> None:
+    """``f: in_specs (P('x'), P()) on simulated mesh [x=4] on cpu``: a plan built (once per
+    argument or output structure)."""
+    name = getattr(m.f, "__qualname__", None) or repr(m.f)
+    specs = ", ".join("None" if s is None else repr(s) for s in plan.specs)
+    specs = specs if len(plan.specs) == 1 else f"({specs})"
+    log.shard_map.info("%s: %s %s on %s", name, what, specs, m.mesh)
+
+
 def _run(m: _Mapping, args):
     if current_frame() is not None:
         raise FunctionalDTensorError(
@@ -223,6 +234,8 @@ def _run(m: _Mapping, args):
     plan = None if compiling else m.entries.get(treedef)
     if plan is None:
         plan = _planned(m.entries, treedef, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
+        if not compiling and log.shard_map.isEnabledFor(logging.INFO):
+            _log_plan(m, "in_specs", plan)
     inputs, in_dims = [], []
     for i, value in enumerate(leaves):
         if plan.specs[i] is None:
@@ -445,6 +458,8 @@ def _leave(m: _Mapping, outputs, compiling: bool):
     plan = None if compiling else m.exits.get(tree)
     if plan is None:
         plan = _planned(m.exits, tree, lambda: _Plan.of_outputs(m.out_specs, outputs, tree), compiling)
+        if not compiling and log.shard_map.isEnabledFor(logging.INFO):
+            _log_plan(m, "out_specs", plan)
     flat, layouts = [], []
     for i, value in enumerate(leaves):
         spec, where = plan.specs[i], plan.wheres[i]

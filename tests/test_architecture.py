@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "functional_dtensor"
 #: floor -> the modules on it, bottom to top (dotted names under the package; a trailing ".*"
 #: stands for every module of a subpackage)
 FLOORS = {
-    "records": ["_public", "_cache", "_errors", "_placements", "_spec", "_mesh", "_layout"],
+    "records": ["_public", "_cache", "_errors", "_log", "_placements", "_spec", "_mesh", "_layout"],
     "math": ["_sharding", "_blocks", "_plan", "_philox", "_philox_native", "_rules"],
     "backends": [
         "_simulated.*",

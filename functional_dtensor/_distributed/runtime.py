@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import _log as log
 from .._cache import cached
 from .._errors import MeshError, explain
 from .._mesh import DeviceMesh, check_device_type
@@ -129,6 +131,14 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
             tm = torch_mesh(mesh)
             found = tm.get_group(names[0]) if len(names) == 1 else tm[names]._flatten().get_group()
             _groups[(mesh, names)] = found
+            if log.groups.isEnabledFor(logging.INFO):
+                log.groups.info(
+                    "process group over %s of %s: ranks %s (this rank %d)",
+                    ", ".join(names),
+                    mesh,
+                    dist.get_process_group_ranks(found),
+                    dist.get_rank(),
+                )
         if not torch.compiler.is_compiling():
             _groups[(mesh, axes)] = found
     return found
