@@ -112,7 +112,7 @@ def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...
         target.shard_order,
     )
     source = without_partial(x.layout)
-    back = (parts, source, _steps(parts, source, shape, storage))
+    back = (parts, source, _steps(parts, source, shape, storage, True))
     out = autograd.apply(
         _Redistribute, storage, x.layout, target, shape, _steps(x.layout, target, shape, storage), back
     )
