@@ -183,7 +183,10 @@ class SequenceParallel(_Style):
 @dataclass(frozen=True)
 class ReplicateParallel(_Style):
     """Parameters replicated over ``axis`` (the default for a module no style names); inputs
-    and outputs as they come."""
+    and outputs as they come. On a data axis (``fd.ReplicateParallel("dp")`` on the root, as
+    torch's ``replicate``): the gradients of every parameter of the module and of those inside
+    it, replicated over ``axis``, are summed over it in one all-reduce per step, not one per
+    use."""
 
     axis: str = "tp"
 
