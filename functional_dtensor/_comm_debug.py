@@ -58,6 +58,7 @@ class CommDebugMode:
         self._backward: list[str] = []  # the modules whose backward is running
         self._names: dict[int, str] = {}  # id(module) -> its path, under the outermost module
         self._grad_hooks: list = []
+        self._leave_hooks: dict[int, object] = {}  # id(module) -> its hook that leaves it
         self._end_of_backward_queued = False
 
     @property
@@ -199,16 +200,19 @@ class CommDebugMode:
     def __enter__(self) -> CommDebugMode:
         self._recording.__enter__()
         hooks = torch.nn.modules.module
+        # a module is left by a hook of its own, run after the others it has (a global forward
+        # hook would run before them, and so miss the communication of a style's output hook)
+        # (where the hooks run inside a graph torch.compile traces, the global forward hook leaves)
         self._handles = [
             hooks.register_module_forward_pre_hook(self._enter_module),
-            hooks.register_module_forward_hook(self._leave_module),
+            hooks.register_module_forward_hook(self._leave_compiled_module),
         ]
         return self
 
     def __exit__(self, *exc) -> bool:
-        for handle in self._handles + self._grad_hooks:
+        for handle in [*self._handles, *self._grad_hooks, *self._leave_hooks.values()]:
             handle.remove()
-        self._handles, self._grad_hooks = [], []
+        self._handles, self._grad_hooks, self._leave_hooks = [], [], {}
         comm_log.set_module(None)
         comm_log.set_module(None, backward=True)
         self._recording.__exit__(*exc)
@@ -233,16 +237,25 @@ class CommDebugMode:
         name = self._name_of(module)
         self._forward.append(name)
         comm_log.set_module(name)
+        if torch.compiler.is_compiling():
+            return
+        if id(module) not in self._leave_hooks:
+            self._leave_hooks[id(module)] = module.register_forward_hook(self._leave_module, always_call=True)
         # its backward ends when the gradients of its inputs are computed
         self._on_gradients(args, lambda *_: self._leave_backward(name))
+
+    def _leave_compiled_module(self, module, args, output):
+        if torch.compiler.is_compiling():
+            self._leave_module(module, args, output)
 
     def _leave_module(self, module, args, output):
         if isinstance(module, _COMPILER_MODULES):
             return
         if self._forward:
             name = self._forward.pop()
-            # its backward starts when the gradients of its outputs are computed
-            self._on_gradients(output, lambda *_: self._enter_backward(name))
+            if not torch.compiler.is_compiling():
+                # its backward starts when the gradients of its outputs are computed
+                self._on_gradients(output, lambda *_: self._enter_backward(name))
         comm_log.set_module(self._forward[-1] if self._forward else None)
         if not self._forward:
             self._names = {}
