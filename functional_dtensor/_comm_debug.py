@@ -201,8 +201,8 @@ class CommDebugMode:
         self._recording.__enter__()
         hooks = torch.nn.modules.module
         # a module is left by a hook of its own, run after the others it has (a global forward
-        # hook would run before them, and so miss the communication of a style's output hook)
-        # (where the hooks run inside a graph torch.compile traces, the global forward hook leaves)
+        # hook would run before them, and so miss the communication of a style's output hook);
+        # where the hooks run inside a graph that torch.compile traces, the global one leaves
         self._handles = [
             hooks.register_module_forward_pre_hook(self._enter_module),
             hooks.register_module_forward_hook(self._leave_compiled_module),
@@ -240,12 +240,17 @@ class CommDebugMode:
         if torch.compiler.is_compiling():
             return
         if id(module) not in self._leave_hooks:
-            self._leave_hooks[id(module)] = module.register_forward_hook(self._leave_module, always_call=True)
+            leave = module.register_forward_hook(self._leave_eager_module, always_call=True)
+            self._leave_hooks[id(module)] = leave
         # its backward ends when the gradients of its inputs are computed
         self._on_gradients(args, lambda *_: self._leave_backward(name))
 
     def _leave_compiled_module(self, module, args, output):
         if torch.compiler.is_compiling():
+            self._leave_module(module, args, output)
+
+    def _leave_eager_module(self, module, args, output):
+        if not torch.compiler.is_compiling():
             self._leave_module(module, args, output)
 
     def _leave_module(self, module, args, output):
