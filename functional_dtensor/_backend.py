@@ -68,17 +68,18 @@ class Backend:
 
     # --- communication, recorded here -------------------------------------------------------
 
-    def count(self, op: str, axes: tuple[str, ...], x: torch.Tensor) -> None:
-        """Record ``op`` over mesh ``axes`` on the storage-form value ``x`` (the bytes each
-        device contributes; while compiling, recorded when the compiled graph runs)."""
-        if torch.compiler.is_compiling() or comm_log.active():
+    def count(self, op: str, axes: tuple[str, ...], x: torch.Tensor, group_size: int) -> None:
+        """Record ``op`` over mesh ``axes`` (a group of ``group_size`` devices) on the
+        storage-form value ``x`` (the bytes each device contributes; while compiling, recorded
+        when the compiled graph runs)."""
+        if comm_log.wanted():
             devices = x.shape[0] if self.stacked and x.dim() else 1
-            comm_log.record(op, axes, x.numel() // max(devices, 1) * x.element_size())
+            comm_log.record(op, axes, x.numel() // max(devices, 1) * x.element_size(), group_size)
 
-    def count_bytes(self, op: str, axes: tuple[str, ...], nbytes: int) -> None:
-        """Record ``op`` over mesh ``axes`` moving ``nbytes`` per device."""
-        if torch.compiler.is_compiling() or comm_log.active():
-            comm_log.record(op, axes, nbytes)
+    def count_bytes(self, op: str, axes: tuple[str, ...], nbytes: int, group_size: int) -> None:
+        """Record ``op`` over mesh ``axes`` (``group_size`` devices) on ``nbytes`` per device."""
+        if comm_log.wanted():
+            comm_log.record(op, axes, nbytes, group_size)
 
     # --- kernels, on storage ----------------------------------------------------------------
 
@@ -88,31 +89,31 @@ class Backend:
     def all_reduce(self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum"):
         if mesh.axis_size(axes) == 1:
             return x.clone()
-        self.count("all_reduce", axes, x)
+        self.count("all_reduce", axes, x, mesh.axis_size(axes))
         return self._kernels.all_reduce(x, mesh, axes, op)
 
     def all_gather(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
         if mesh.axis_size(axes) == 1:
             return x.clone() if tiled else x.unsqueeze(self._lead + dim).clone()
-        self.count("all_gather", axes, x)
+        self.count("all_gather", axes, x, mesh.axis_size(axes))
         return self._kernels.all_gather(x, mesh, axes, dim, tiled)
 
     def reduce_scatter(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
         if mesh.axis_size(axes) == 1:
             return x.clone() if tiled else x.squeeze(self._lead + dim).clone()
-        self.count("reduce_scatter", axes, x)
+        self.count("reduce_scatter", axes, x, mesh.axis_size(axes))
         return self._kernels.reduce_scatter(x, mesh, axes, dim, tiled)
 
     def all_to_all(self, x, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool):
         if mesh.axis_size(axes) == 1:
             return x.clone() if tiled else x.movedim(self._lead + split, self._lead + concat).clone()
-        self.count("all_to_all", axes, x)
+        self.count("all_to_all", axes, x, mesh.axis_size(axes))
         return self._kernels.all_to_all(x, mesh, axes, split, concat, tiled)
 
     def permute(self, x, mesh: DeviceMesh, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]):
         if mesh.axis_size(axes) == 1:
             return x.clone() if perm else torch.zeros_like(x)
-        self.count("ppermute", axes, x)
+        self.count("ppermute", axes, x, mesh.axis_size(axes))
         return self._kernels.permute(x, mesh, axes, perm)
 
     @property
@@ -123,7 +124,7 @@ class Backend:
     def reduce_broadcast(self, x, mesh: DeviceMesh, a: int, b: int, op: str):
         """Partial(op) on mesh axis ``a`` and Shard on axis ``b`` (equal sizes) -> Shard on
         ``a`` and Replicate on ``b``: a reduce to the diagonal, a broadcast from it."""
-        self.count("reduce+broadcast", (mesh.axis_names[a], mesh.axis_names[b]), x)
+        self.count("reduce+broadcast", (mesh.axis_names[a], mesh.axis_names[b]), x, mesh.shape[a])
         return self._kernels.reduce_broadcast(x, mesh, a, b, op)
 
     def axis_index(self, mesh: DeviceMesh, axes: tuple[str, ...], device) -> torch.Tensor:
@@ -157,7 +158,7 @@ class Backend:
         """The storage in ``target`` of a value stored in ``source``, through the global value:
         the padded blocks reduced over each Partial axis and gathered over the Shard axes (as
         the distributed backend runs it; counted so on either backend)."""
-        if torch.compiler.is_compiling() or comm_log.active():
+        if comm_log.wanted():
             mesh = source.mesh
             nbytes = math.prod(shard_table(source, shape).padded_shape) * storage.element_size()
             moving = [
@@ -165,10 +166,10 @@ class Backend:
             ]
             for name, placement in moving:  # an axis of one device moves nothing
                 if isinstance(placement, Partial):
-                    self.count_bytes("all_reduce", (name,), nbytes)
+                    self.count_bytes("all_reduce", (name,), nbytes, mesh.axis_size((name,)))
             sharding = tuple([n for n, p in moving if isinstance(p, Shard)])
             if sharding:
-                self.count_bytes("all_gather", sharding, nbytes)
+                self.count_bytes("all_gather", sharding, nbytes, mesh.axis_size(sharding))
         return self._storage.distribute(self._storage.gather(storage, source, shape), target)
 
     def padded(self, storage, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:

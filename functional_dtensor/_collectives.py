@@ -273,13 +273,14 @@ class _ReduceAll(AllReduce):
 
     def run(self, x):
         if self.size > 1:  # a group of one device communicates nothing
-            self.frame.backend.count("all_reduce", self.axes, x)
+            self.frame.backend.count("all_reduce", self.axes, x, self.size)
         return blocks.reduce(x, self.op, 0)
 
     def transpose(self, g, stacked, saved):
         backend = self.frame.backend
         if (not self.frame.check_rep or self.transpose_psum) and self.size > 1:
-            backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())  # by broadcasting
+            # by broadcasting
+            backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size(), self.size)
         g_in = g.expand(self.size, *g.shape)  # its own transpose sums over the devices
         if self.op == "avg":
             return g_in / self.size
@@ -290,7 +291,7 @@ class _ReduceAll(AllReduce):
     def tangent(self, t, stacked, saved):
         if self.op in ("max", "min"):
             if self.size > 1:
-                self.frame.backend.count("all_reduce", self.axes, t)
+                self.frame.backend.count("all_reduce", self.axes, t, self.size)
             return (t * self._share_of_winners(saved)).sum(0)
         return _apply(t, self, stacked)
 
@@ -298,7 +299,7 @@ class _ReduceAll(AllReduce):
         x, out = saved
         winners = (x == out).to(x.dtype)
         if self.size > 1:  # a group of one device communicates nothing
-            self.frame.backend.count("all_reduce", self.axes, winners)
+            self.frame.backend.count("all_reduce", self.axes, winners, self.size)
         return winners / winners.sum(0)
 
 
@@ -313,7 +314,7 @@ class VaryHeldOnce(Pvary):
 
     def transpose(self, g, stacked, saved):
         if self.size > 1:
-            self.frame.backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size())
+            self.frame.backend.count_bytes("all_reduce", self.axes, g.numel() * g.element_size(), self.size)
         return g
 
 

@@ -1,8 +1,11 @@
 """A record of the communication that collectives perform, for :class:`CommDebugMode`.
 
-Collectives report each execution here: the op, the mesh axes, and the bytes of the local
-value each device contributes. Nothing is recorded, and nothing costs, unless a recorder is
-active.
+Collectives report each execution here: the op, the mesh axes, the number of devices in the
+group, and the bytes of the local value each device contributes; the record adds the module
+running (set by :class:`CommDebugMode`) and the phase (``"backward"`` while the autograd
+engine runs). Nothing is recorded, and nothing costs, unless a recorder is active. Each
+collective is also logged at DEBUG on the logger ``functional_dtensor.collectives`` (checked
+with ``isEnabledFor`` first: nothing costs while it is off).
 
 A collective traced by ``torch.compile`` reports when the compiled graph runs, not when it is
 traced: :func:`record` then puts the op ``functional_dtensor::record_communication`` into the
@@ -15,23 +18,43 @@ carries no op and costs nothing.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["CommEvent", "recording", "record", "active"]
+from ._plan import collective_bytes
+
+__all__ = ["CommEvent", "recording", "record", "active", "logger"]
+
+#: each collective issued, at DEBUG
+logger = logging.getLogger("functional_dtensor.collectives")
 
 
 @dataclass(frozen=True, slots=True)
 class CommEvent:
-    """One collective executed: ``op`` over mesh ``axes``, ``nbytes`` per device."""
+    """One collective executed: ``op`` over mesh ``axes`` (a group of ``group_size``
+    devices), each device contributing ``nbytes`` (its local input); ``module`` the path of
+    the innermost module running (``None`` outside any), ``phase`` ``"forward"`` or
+    ``"backward"``."""
 
     op: str
     axes: tuple[str, ...]
     nbytes: int
     module: str | None = None
+    group_size: int = 1
+    phase: str = "forward"
+
+    @property
+    def wire_bytes(self) -> Fraction:
+        """The bytes each device sends (= receives) on the wire, as ``fd.explain_redistribute``
+        counts them: ``(k-1) b`` for an all_gather, ``2 (k-1)/k b`` for a (ring) all_reduce,
+        ``(k-1)/k b`` for a reduce_scatter or all_to_all, ``b`` for a ppermute (``b`` =
+        ``nbytes``, ``k`` = ``group_size``)."""
+        return collective_bytes(self.op, self.group_size, self.nbytes)
 
 
 _local = threading.local()
@@ -48,19 +71,39 @@ def active() -> bool:
     return bool(getattr(_local, "recorders", None))
 
 
-def record(op: str, axes: tuple[str, ...], nbytes: int) -> None:
-    """Record ``op`` over mesh ``axes`` moving ``nbytes`` per device (while compiling: when
-    the compiled graph runs)."""
+def wanted() -> bool:
+    """Whether :func:`record` has anything to do: a recorder active, the DEBUG log on, or a
+    graph being compiled (which records when it runs)."""
+    return torch.compiler.is_compiling() or active() or logger.isEnabledFor(logging.DEBUG)
+
+
+def record(op: str, axes: tuple[str, ...], nbytes: int, group_size: int) -> None:
+    """Record ``op`` over mesh ``axes`` (``group_size`` devices) on ``nbytes`` per device
+    (while compiling: when the compiled graph runs)."""
     if torch.compiler.is_compiling():
-        if _recording_anywhere:
-            _record_when_run(op, _SEPARATOR.join(axes), nbytes)
+        if _recording_anywhere:  # (a compiled graph logs only where it also records)
+            _record_when_run(op, _SEPARATOR.join(axes), nbytes, group_size)
         return
     recorders = _recorders()
-    if recorders:
-        module = getattr(_local, "module", None)
-        event = CommEvent(op, axes, nbytes, module)
-        for recorder in recorders:
-            recorder.append(event)
+    logging_on = logger.isEnabledFor(logging.DEBUG)
+    if not (recorders or logging_on):
+        return
+    backward = torch._C._current_graph_task_id() != -1  # the autograd engine is running
+    module = getattr(_local, "backward_module" if backward else "module", None)
+    event = CommEvent(op, axes, nbytes, module, group_size, "backward" if backward else "forward")
+    for recorder in recorders:
+        recorder.append(event)
+    if logging_on:
+        logger.debug(
+            "%s over %s (%d devices): %d bytes in, %s bytes on the wire per device [%s, %s]",
+            op,
+            ",".join(axes),
+            group_size,
+            nbytes,
+            event.wire_bytes,
+            module or "-",
+            event.phase,
+        )
 
 
 class recording:
@@ -92,9 +135,12 @@ def _count_open(change: int) -> None:
         _recording_anywhere = _open > 0
 
 
-def set_module(name: str | None) -> str | None:
-    previous = getattr(_local, "module", None)
-    _local.module = name
+def set_module(name: str | None, *, backward: bool = False) -> str | None:
+    """Name the module running forward (``backward``: whose backward is running), for the
+    events recorded in this thread from now; returns the previous name."""
+    attribute = "backward_module" if backward else "module"
+    previous = getattr(_local, attribute, None)
+    setattr(_local, attribute, name)
     return previous
 
 
@@ -102,14 +148,13 @@ _SEPARATOR = "\x1f"  # joins the axis names: an op's arguments are strings, not 
 
 
 @torch.library.custom_op("functional_dtensor::record_communication", mutates_args=())
-def _record_when_run(op: str, axes: str, nbytes: int) -> None:
+def _record_when_run(op: str, axes: str, nbytes: int, group_size: int) -> None:
     """:func:`record`, as an op of a compiled graph."""
-    if active():
-        record(op, tuple(axes.split(_SEPARATOR)) if axes else (), nbytes)
+    record(op, tuple(axes.split(_SEPARATOR)) if axes else (), nbytes, group_size)
 
 
 @_record_when_run.register_fake
-def _(op: str, axes: str, nbytes: int) -> None:
+def _(op: str, axes: str, nbytes: int, group_size: int) -> None:
     return None
 
 

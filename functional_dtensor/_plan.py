@@ -74,6 +74,7 @@ __all__ = [
     "Regather",
     "plan",
     "step_bytes",
+    "collective_bytes",
     "lower_bound",
     "permutation_pairs",
 ]
@@ -176,32 +177,48 @@ def _block_bytes(layout: Layout, shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(shard_table(layout, shape).padded_shape) * itemsize
 
 
+def collective_bytes(collective: str, group_size: int, nbytes: int) -> Fraction:
+    """The bytes each device receives (and, these patterns being symmetric, sends) in one
+    ``collective`` over a group of ``group_size`` devices (``k``), each contributing ``nbytes``
+    (``b``): an ``all_gather`` ``(k-1) b``, an ``all_reduce`` (ring) ``2 (k-1)/k b``, a
+    ``reduce_scatter`` or ``all_to_all`` ``(k-1)/k b``, a ``ppermute`` ``b``, a
+    ``reduce+broadcast`` ``(k-1) b`` (``k`` the size of either of its two axes). Exact: a
+    fraction where ``k`` does not divide ``b``.
+
+    >>> collective_bytes("all_reduce", 4, 8), collective_bytes("all_gather", 4, 8)
+    (Fraction(12, 1), Fraction(24, 1))
+    """
+    k = group_size
+    if collective in ("all_gather", "reduce+broadcast"):
+        return Fraction((k - 1) * nbytes)
+    if collective == "all_reduce":
+        return Fraction(2 * (k - 1) * nbytes, k)
+    if collective in ("reduce_scatter", "all_to_all"):
+        return Fraction((k - 1) * nbytes, k)
+    if collective == "ppermute":
+        return Fraction(nbytes)
+    raise ValueError(f"collective_bytes: no byte count for the collective {collective!r}")
+
+
 def step_bytes(step: Step, shape: tuple[int, ...], itemsize: int) -> Fraction:
     """The most bytes any one device receives in ``step`` (and, these patterns being
     symmetric, sends): exact, a fraction where the group size does not divide the block (an
-    all-reduce of 4 bytes over 3 devices receives 16/3 bytes per device, on average)."""
+    all-reduce of 4 bytes over 3 devices receives 16/3 bytes per device, on average). Each
+    collective's count is :func:`collective_bytes`'s."""
     b = _block_bytes(step.source, shape, itemsize)
     k = step.group_size
-    if isinstance(step, Relabel):
-        return Fraction(0)
-    if isinstance(step, AllGather):
-        return Fraction((k - 1) * b)
-    if isinstance(step, AllReduce):
-        return Fraction(2 * (k - 1) * b, k)
+    if isinstance(step, (AllGather, AllReduce, AllToAll, Swap, Permute)):
+        return collective_bytes(step.collective, k, b)
     if isinstance(step, ReduceScatter):  # the dim scattered padded to a multiple of k
         size = shard_table(step.source, shape).padded_shape[step.dim]
-        return Fraction((k - 1) * (b // size if size else 0) * -(-size // k) * k, k)
-    if isinstance(step, AllToAll):
-        return Fraction((k - 1) * b, k)
-    if isinstance(step, (Swap, Permute)):
-        return Fraction(b)
+        return collective_bytes(step.collective, k, (b // size if size else 0) * -(-size // k) * k)
     if isinstance(step, ReduceBroadcast):
-        return Fraction((step.source.mesh.shape[step.axes[0]] - 1) * b)
+        return collective_bytes(step.collective, step.source.mesh.shape[step.axes[0]], b)
     if isinstance(step, Regather):  # what it runs: padded blocks all-reduced, then all-gathered
         mesh, placements = step.source.mesh, step.source.placements
         partial = math.prod([mesh.shape[a] for a, p in enumerate(placements) if isinstance(p, Partial)])
         sharded = math.prod([mesh.shape[a] for a, p in enumerate(placements) if isinstance(p, Shard)])
-        return Fraction(2 * (partial - 1) * b, partial) + (sharded - 1) * b
+        return collective_bytes("all_reduce", partial, b) + collective_bytes("all_gather", sharded, b)
     return Fraction(0)
 
 
