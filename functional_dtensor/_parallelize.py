@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from . import _varied as varied
-from ._dtensor import DTensor, distribute_tensor, new_value, storage_of
+from ._dtensor import DTensor, distribute_tensor, layout_for, new_value, storage_of
 from ._errors import InputTypeError, LayoutError, explain
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
@@ -388,8 +388,6 @@ def distribute_module(
 
 
 def _layout(mesh: DeviceMesh, placements: PlacementsOrSpec, tensor: torch.Tensor) -> Layout:
-    from ._dtensor import layout_for
-
     return layout_for(mesh, placements, tensor.dim(), "fd.distribute_module(partition_fn)")
 
 
