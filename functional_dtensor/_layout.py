@@ -68,6 +68,20 @@ class Layout:
                     fix="build one with fd.simulated_mesh or fd.init_device_mesh",
                 )
             )
+        if isinstance(self.placements, P):  # fd.Layout(mesh, fd.P(...)): the spec's layout
+            if self.shard_order:
+                raise LayoutError(
+                    explain(
+                        "fd.Layout(shard_order)",
+                        "a partition spec gives its own order (a tuple entry lists axes major first)",
+                        expected="no shard_order with an fd.P",
+                        got=repr(self.shard_order),
+                        fix="write the order in the spec: fd.P(('tp', 'dp'))",
+                    )
+                )
+            spec_layout = Layout.from_spec(self.mesh, self.placements, where="fd.Layout")
+            object.__setattr__(self, "placements", spec_layout.placements)
+            object.__setattr__(self, "shard_order", spec_layout.shard_order)
         placements = _checked_placements(self.mesh, self.placements, "fd.Layout(placements)")
         orders: dict[int, tuple[int, ...]] = {}
         for axis, placement in enumerate(placements):

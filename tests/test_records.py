@@ -272,6 +272,13 @@ def test_layout_from_spec_examples():
     )
     assert fd.Layout(mesh, (fd.Shard(0), fd.Shard(0), fd.Shard(0))).spec == fd.P(("x", "y", "z"))
     assert fd.Layout(mesh, (fd.Replicate(), fd.Shard(2), fd.Replicate())).spec == fd.P(None, None, "y")
+    # a spec in place of the placements builds the spec's layout
+    assert fd.Layout(mesh, fd.P(("z", "x"))) == fd.Layout.from_spec(mesh, fd.P(("z", "x")))
+    assert fd.Layout(mesh, fd.P(None, "y")).placements == (fd.Replicate(), fd.Shard(1), fd.Replicate())
+    with pytest.raises(fd.LayoutError, match="unknown mesh axis"):
+        fd.Layout(mesh, fd.P("w"))
+    with pytest.raises(fd.LayoutError, match="order in the spec"):
+        fd.Layout(mesh, fd.P(("x", "y")), ((0, (1, 0)),))
 
 
 @given(st.data())
