@@ -110,21 +110,25 @@ def plan(console: Console, mesh: fd.DeviceMesh) -> bool:
     return torch.equal(fd.redistribute(x, target).full_tensor(), x.full_tensor())
 
 
+def _ranks_mesh() -> fd.DeviceMesh:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % 2:
+        raise SystemExit(
+            "run it on an even number of ranks: torchrun --nproc-per-node 4 -m functional_dtensor ..."
+        )
+    return fd.init_device_mesh("cpu", (2, world // 2), ("dp", "tp"))
+
+
+#: the mesh of each backend: 8 simulated devices, or the ranks torchrun started
+MESHES = {"simulated": lambda: fd.simulated_mesh((2, 4), ("dp", "tp")), "distributed": _ranks_mesh}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m functional_dtensor", description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("simulated", "distributed"), default="simulated")
+    parser.add_argument("--backend", choices=tuple(MESHES), default="simulated")
     args = parser.parse_args(argv)
-    if args.backend == "distributed":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world % 2:
-            raise SystemExit(
-                "run it on an even number of ranks: torchrun --nproc-per-node 4 -m functional_dtensor ..."
-            )
-        mesh = fd.init_device_mesh("cpu", (2, world // 2), ("dp", "tp"))
-        quiet = int(os.environ.get("RANK", "0")) != 0
-    else:
-        mesh = fd.simulated_mesh((2, 4), ("dp", "tp"))
-        quiet = False
+    mesh = MESHES[args.backend]()
+    quiet = int(os.environ.get("RANK", "0")) != 0  # on torchrun's ranks, rank 0 prints
     console = Console(width=80, quiet=quiet)
     sections = (
         ("1. a mesh, and who holds what", layouts),
