@@ -301,14 +301,18 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
                 "there is no gradient to clip",
                 expected="some fd.DTensor",
                 got="none",
-                fix="",
+                fix="pass the gradients torch.autograd.grad returned for the parameters",
             )
         )
     norm_type = float(norm_type)
     if not (norm_type > 0):
         raise InputTypeError(
             explain(
-                f"{where}(norm_type)", "a p-norm", expected="p > 0 or math.inf", got=repr(norm_type), fix=""
+                f"{where}(norm_type)",
+                "a p-norm",
+                expected="p > 0 or math.inf",
+                got=repr(norm_type),
+                fix="use 2.0 (the default), 1.0 or math.inf",
             )
         )
     infinite = math.isinf(norm_type)

@@ -292,7 +292,13 @@ def _check_plan(plan, module: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[_S
         where = f"fd.parallelize_module(parallelize_plan[{pattern!r}])"
         if not isinstance(pattern, str):
             raise InputTypeError(
-                explain(where, "plan keys are module names", expected="a str", got=repr(pattern), fix="")
+                explain(
+                    where,
+                    "plan keys are module names",
+                    expected="a str",
+                    got=repr(pattern),
+                    fix='write the name as a string: "layers.*.mlp"',
+                )
             )
         for style in styles:
             if not isinstance(style, _Style):
@@ -399,7 +405,7 @@ def _check_module(module, api: str) -> None:
                 "it shards a torch module",
                 expected="an nn.Module",
                 got=type(module).__name__,
-                fix="",
+                fix="wrap the computation in an nn.Module, or use fd.shard_map / fd.local_map for a function",
             )
         )
 
@@ -531,7 +537,7 @@ def _on_axis(x, mesh: DeviceMesh, axis: str, placement: Placement | None, where:
                 "a style cannot make a value Partial",
                 expected="Shard or Replicate",
                 got=str(placement),
-                fix="",
+                fix="name a Shard or Replicate placement (a Partial output comes from the op itself)",
             )
         )
     return redistribute(x, (*current[:index], placement, *current[index + 1 :]))
@@ -640,7 +646,7 @@ class _Apply:
         return value
 
     def _check(self, params) -> None:
-        where = f"{self.__name__}(params)"
+        where = "fd.ShardedModule.apply(params)"
         if not isinstance(params, Mapping):
             raise InputTypeError(
                 explain(

@@ -5,6 +5,9 @@ ends with the fix."""
 # ruff: noqa: E501  (the table keeps one invalid input per line)
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,6 +116,38 @@ CASES = [
     ("if-on-a-value-in-f", lambda: _map_1d(lambda v: v if v.sum() > 0 else -v), fd.BatchedFunctionError, RuntimeError, ["fd.shard_map(f)", "if or while", "torch.where"]),
     ("shard-map-kwargs", lambda: _map_1d(lambda v, w=None: v, w=torch.ones(4)), fd.InputTypeError, TypeError, ["fd.shard_map(f)(**kwargs)", "w", "functools.partial"]),
     ("shard-map-scalar-sharded", lambda: fd.shard_map(lambda v: v, mesh=MESH_1D, in_specs=fd.P("x"), out_specs=fd.P())(2.0), fd.InputTypeError, TypeError, ["fd.shard_map(args[0])", "P('x')", "float"]),
+    # --- global operations
+    ("global-op-mixed-tensor", lambda: _distributed(fd.P("x")) + torch.ones(4, 4), fd.InputTypeError, TypeError, ["torch.Tensor", "fd.distribute_tensor"]),
+    ("global-op-no-rule", lambda: torch.fft.fft(_distributed(fd.P("x"))), fd.FunctionalDTensorError, Exception, ["fft", "fd.local_map", "fd.register_sharding"]),
+    ("global-op-shapes", lambda: _distributed(fd.P("x")) @ _distributed(fd.P(), shape=(3, 4)), fd.ShapeError, ValueError, ["matmul", "(4, 4)", "(3, 4)"]),
+    ("global-op-two-meshes", lambda: _distributed(fd.P("x")) + _distributed(fd.P("x"), mesh=MESH_1D), fd.MeshError, ValueError, ["mesh"]),
+    ("matmul-vector", lambda: _distributed(fd.P("x")) @ _distributed(fd.P(), shape=(4,)), fd.ShapeError, ValueError, ["torch.matmul", "(4,)", "unsqueeze"]),
+    ("in-place-method", lambda: _distributed(fd.P("x")).add_(1), fd.ImmutableError, Exception, ["add_", "x.add(...)"]),
+    ("setitem", lambda: _distributed(fd.P("x")).__setitem__(0, 1.0), fd.ImmutableError, Exception, ["fd.DTensor.__setitem__", "immutable"]),
+    # --- module sharding, the optimizer, clipping
+    ("plan-not-a-dict", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, [("", fd.ColwiseParallel("x"))]), fd.InputTypeError, TypeError, ["parallelize_plan", "dict"]),
+    ("plan-no-module", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"nope": fd.ColwiseParallel("x")}), fd.LayoutError, ValueError, ["parallelize_plan['nope']", "matches no module"]),
+    ("plan-torch-style", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"": "colwise"}), fd.InputTypeError, TypeError, ["parallelize_plan['']", "'colwise'"]),
+    ("plan-unknown-axis", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"": fd.ColwiseParallel("tp")}), fd.LayoutError, ValueError, ["'tp'", "('x', 'y')"]),
+    ("plan-colwise-conv", lambda: fd.parallelize_module(torch.nn.Conv1d(1, 1, 1), MESH, {"": fd.ColwiseParallel("x")}), fd.InputTypeError, TypeError, ["ColwiseParallel", "Conv1d", "distribute_module"]),
+    ("module-not-a-module", lambda: fd.parallelize_module(lambda x: x, MESH, {}), fd.InputTypeError, TypeError, ["fd.parallelize_module(module)", "function"]),
+    ("apply-missing-params", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {}).apply({}, T), fd.InputTypeError, TypeError, ["missing ['bias', 'weight']"]),
+    ("optimizer-not-elementwise", lambda: fd.Optimizer(torch.optim.LBFGS, {"w": _distributed(fd.P("x"))}), fd.InputTypeError, TypeError, ["elementwise", "LBFGS"]),
+    ("optimizer-instance", lambda: fd.Optimizer(torch.optim.SGD([torch.zeros(1)], lr=1.0), {"w": _distributed(fd.P("x"))}), fd.InputTypeError, TypeError, ["fd.Optimizer(optimizer)", "torch.optim.AdamW"]),
+    ("optimizer-tensor-param", lambda: fd.Optimizer(torch.optim.SGD, {"w": torch.ones(2)}, lr=1.0), fd.InputTypeError, TypeError, ["params['w']", "Tensor"]),
+    ("optimizer-partial-param", lambda: fd.Optimizer(torch.optim.SGD, {"w": _distributed((fd.Partial(), fd.Replicate()))}, lr=1.0), fd.LayoutError, ValueError, ["params['w']", "P(sum)"]),
+    ("optimizer-step-structure", lambda: fd.Optimizer(torch.optim.SGD, {"w": _distributed(fd.P("x"))}, lr=1.0).step({"w": _distributed(fd.P("x"))}, {"v": _distributed(fd.P("x"))}), fd.InputTypeError, TypeError, ["grads", "structure"]),
+    ("clip-tensor", lambda: fd.clip_grad_norm({"w": torch.ones(2)}, 1.0), fd.InputTypeError, TypeError, ["fd.clip_grad_norm(grads['w'])", "Tensor"]),
+    ("clip-norm-type", lambda: fd.clip_grad_norm({"w": _distributed(fd.P("x"))}, 1.0, norm_type=0), fd.InputTypeError, TypeError, ["norm_type", "0.0"]),
+    # --- random numbers, visualizing, interop, attention
+    ("random-not-a-key", lambda: fd.random.normal(torch.tensor([1, 2, 3]), (4,)), fd.InputTypeError, TypeError, ["key"]),
+    ("visualize-layout-no-shape", lambda: fd.visualize_sharding(fd.Layout(MESH, fd.P("x"))), fd.InputTypeError, TypeError, ["shape"]),
+    ("visualize-not-a-value", lambda: fd.visualize_sharding(torch.ones(2)), fd.InputTypeError, TypeError, ["fd.sharding_picture(x)", "Tensor"]),
+    ("to-torch-tensor", lambda: fd.to_torch(torch.ones(2)), fd.InputTypeError, TypeError, ["fd.to_torch", "Tensor"]),
+    ("from-torch-tensor", lambda: fd.from_torch(torch.ones(2)), fd.InputTypeError, TypeError, ["fd.from_torch", "Tensor"]),
+    ("ring-attention-outside", lambda: fd.ring_attention(torch.ones(1, 2, 4, 2), torch.ones(1, 2, 4, 2), torch.ones(1, 2, 4, 2), "x"), fd.AxisNameError, Exception, ["fd.ring_attention", "shard_map"]),
+    ("layout-spec-and-order", lambda: fd.Layout(MESH, fd.P(("x", "y")), ((0, (1, 0)),)), fd.LayoutError, ValueError, ["fd.Layout(shard_order)", "fd.P(('tp', 'dp'))"]),
+    ("set-logs-unknown", lambda: fd.set_logs("nothing"), fd.InputTypeError, TypeError, ["nothing"]),
 ]
 # fmt: on
 
@@ -133,7 +168,7 @@ def test_invalid_input_raises_a_teaching_error(call, error, builtin, mentions):
     assert isinstance(exc, builtin) and issubclass(error, builtin)
     assert not isinstance(exc, AssertionError)
     message = str(exc)
-    assert message.startswith("fd."), message  # names the API
+    assert message.startswith(("fd.", "torch.")), message  # names the API (a torch op on fd.DTensor)
     assert ": expected " in message and ", got " in message, message
     assert ". Fix: " in message and not message.rstrip().endswith("Fix:"), message
     for text in mentions:
@@ -321,3 +356,65 @@ def test_a_bare_int_size_is_a_shape_for_every_factory():
     )
     assert fd.ones(torch.Size([2, 4]), mesh=MESH_1D, placements=fd.P(None, "x")).shape == (2, 4)
     assert fd.zeros(0, 4, mesh=MESH_1D, placements=fd.P()).shape == (0, 4)
+
+
+# --- the error guide (docs/errors.md), generated from CASES -----------------------------------
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+_PARTS = re.compile(
+    r"^(?P<where>.*?): (?P<what>.*): expected (?P<expected>.*?), got (?P<got>.*)\. Fix: (?P<fix>.*)$", re.S
+)
+
+
+def _cell(text: str) -> str:
+    text = re.sub(r" at 0x[0-9a-f]+", "", text)  # object reprs: no addresses in the page
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def guide() -> str:
+    """The error guide: every case of the table, run, its message cut into the API, what went
+    wrong, what was expected and got, and the fix; one table per exception class."""
+    rows: dict[type, list[str]] = {}
+    for case_id, call, error, _builtin, _mentions in CASES:
+        try:
+            call()
+        except fd.FunctionalDTensorError as exc:
+            parts = _PARTS.match(str(exc))
+            assert parts is not None, str(exc)
+            cells = [
+                f"`{case_id}`",
+                *(_cell(parts[name]) for name in ("where", "what", "expected", "got", "fix")),
+            ]
+            rows.setdefault(error, []).append("| " + " | ".join(cells) + " |")
+    lines = [
+        "# Errors",
+        "",
+        "Every error the library raises is an `fd.FunctionalDTensorError` and also the fitting builtin",
+        "exception (`fd.ShapeError` is a `ValueError`, `fd.InputTypeError` a `TypeError`, ...). Its",
+        "message names the API and argument, says what was wrong, what was expected and what was got,",
+        "and ends with the fix. The tables below are generated from the invalid inputs that",
+        f"`tests/test_errors.py` checks ({len(CASES)} of them; `python tests/test_errors.py` writes this",
+        "page again), so every message here is one the library gives.",
+        "",
+    ]
+    for error in sorted(rows, key=lambda e: e.__name__):
+        builtin = next(b.__name__ for b in error.__mro__[1:] if b.__module__ == "builtins")
+        lines += [
+            f"## `fd.{error.__name__}` ({builtin})",
+            "",
+            (error.__doc__ or "").strip().splitlines()[0],
+            "",
+            "| case | where | what | expected | got | fix |",
+            "|---|---|---|---|---|---|",
+            *rows[error],
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def test_the_error_guide_is_generated_from_this_table():
+    assert GUIDE.read_text("utf-8") == guide(), "docs/errors.md is stale: run python tests/test_errors.py"
+
+
+if __name__ == "__main__":
+    GUIDE.write_text(guide(), "utf-8")
