@@ -148,6 +148,16 @@ CASES = [
     ("ring-attention-outside", lambda: fd.ring_attention(torch.ones(1, 2, 4, 2), torch.ones(1, 2, 4, 2), torch.ones(1, 2, 4, 2), "x"), fd.AxisNameError, Exception, ["fd.ring_attention", "shard_map"]),
     ("layout-spec-and-order", lambda: fd.Layout(MESH, fd.P(("x", "y")), ((0, (1, 0)),)), fd.LayoutError, ValueError, ["fd.Layout(shard_order)", "fd.P(('tp', 'dp'))"]),
     ("set-logs-unknown", lambda: fd.set_logs("nothing"), fd.InputTypeError, TypeError, ["nothing"]),
+    ("checkpoint-missing", lambda: fd.checkpoint.load("/nonexistent/ckpt", {"w": 0}), fd.CheckpointError, ValueError, ["/nonexistent/ckpt"]),
+    ("checkpoint-torch-module", lambda: fd.checkpoint.save("/tmp/never", {"m": torch.nn.Linear(2, 2)}), fd.InputTypeError, TypeError, ["Linear"]),
+    ("optimizer-load-unknown", lambda: fd.Optimizer(torch.optim.SGD, {"w": _distributed(fd.P("x"))}, lr=1.0).load_state_dict({"state": {"['v']": {}}, "param_groups": []}), fd.InputTypeError, TypeError, ["['v']"]),
+    ("optimizer-load-not-a-state", lambda: fd.Optimizer(torch.optim.SGD, {"w": _distributed(fd.P("x"))}, lr=1.0).load_state_dict([]), fd.InputTypeError, TypeError, ["state_dict"]),
+    ("distribute-module-partition", lambda: fd.distribute_module(torch.nn.Linear(4, 4), MESH, lambda name, m, mesh: {"nope": [fd.Shard(0), fd.Replicate()]}), fd.LayoutError, ValueError, ["'nope'", "['bias', 'weight']"]),
+    ("distribute-module-partition-type", lambda: fd.distribute_module(torch.nn.Linear(4, 4), MESH, lambda name, m, mesh: [fd.Shard(0)]), fd.InputTypeError, TypeError, ["partition_fn", "list"]),
+    ("context-parallel-uneven", lambda: fd.context_parallel_attention(*[fd.distribute_tensor(torch.ones(1, 2, 6, 4), MESH_1D, fd.P(None, None, "x")) for _ in range(3)], "x"), fd.ShapeError, ValueError, ["6"]),
+    ("context-parallel-axis", lambda: fd.context_parallel_attention(*[fd.distribute_tensor(torch.ones(1, 2, 8, 4), MESH_1D, fd.P(None, None, "x")) for _ in range(3)], "nope"), fd.AxisNameError, Exception, ["'nope'"]),
+    ("explain-not-an-op-input", lambda: fd.explain(torch.add, torch.ones(2), torch.ones(2)), fd.InputTypeError, TypeError, ["fd.DTensor"]),
+    ("redistribute-plain-tensor", lambda: fd.redistribute(torch.ones(2), fd.P()), fd.InputTypeError, TypeError, ["fd.redistribute(x)", "fd.distribute_tensor"]),
 ]
 # fmt: on
 
@@ -368,7 +378,10 @@ _PARTS = re.compile(
 
 def _cell(text: str) -> str:
     text = re.sub(r" at 0x[0-9a-f]+", "", text)  # object reprs: no addresses in the page
-    return " ".join(text.split()).replace("|", "\\|")
+    text = " ".join(text.split())
+    for special in "|[]*_<":  # table cells, links, emphasis, HTML: shown as written
+        text = text.replace(special, "\\" + special)
+    return text
 
 
 def guide() -> str:
