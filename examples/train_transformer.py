@@ -20,6 +20,7 @@ import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import optree
 import rich
 import torch
 import torch.nn.functional as F
@@ -201,7 +202,7 @@ def train_sharded(
 def bytes_per_device(tree) -> int:
     """Bytes of the shards the first device holds (this rank's, on the distributed backend)."""
     total = 0
-    for leaf in torch.utils._pytree.tree_leaves(tree):
+    for leaf in optree.tree_leaves(tree, none_is_leaf=True):
         if isinstance(leaf, fd.DTensor):
             total += leaf.local_shards()[0].numel() * leaf.dtype.itemsize
     return total

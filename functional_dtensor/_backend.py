@@ -241,25 +241,15 @@ class Backend:
         return tuple(storage.shape[1:] if self.stacked else storage.shape)
 
     def distinct(self, storage: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """The blocks of ``storage`` that differ from one another (an elementwise update of
-        them updates the value): when stacked, the device dim split into the mesh's axes and
-        the replicated ones read at coordinate 0; else this rank's block. A view where it can."""
+        """The blocks of ``storage`` that differ from one another, in the form
+        :meth:`materialize` builds a storage from (its inverse): stacked, the grid ``(*sizes,
+        *padded)`` of :func:`.._blocks.distinct_shards` (replicated axes read at coordinate 0);
+        else this rank's block. A view where it can be. An elementwise update of them updates
+        the value."""
         if not self.stacked:
             return storage
         grid = storage.reshape(*layout.mesh.shape, *storage.shape[1:])
-        return grid[tuple(0 if p.is_replicate() else slice(None) for p in layout.placements)]
-
-    def from_distinct(self, distinct: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """The storage whose distinct blocks are ``distinct`` (the inverse of :meth:`distinct`;
-        a fully replicated value held once, as a view)."""
-        if not self.stacked:
-            return distinct
-        mesh = layout.mesh
-        sharded = [n for n, p in zip(mesh.shape, layout.placements) if not p.is_replicate()]
-        block = distinct.shape[len(sharded) :]
-        grid = [1 if p.is_replicate() else n for n, p in zip(mesh.shape, layout.placements)]
-        full = distinct.reshape(*grid, *block).expand(*mesh.shape, *block)
-        return full.reshape(mesh.size, *block)
+        return grid[tuple(slice(0, 1) if p.is_replicate() else slice(None) for p in layout.placements)]
 
 
 def _agreed_shape(infos, layout: Layout, shape, run_check: bool, where: str) -> tuple[int, ...]:

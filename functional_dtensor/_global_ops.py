@@ -41,6 +41,7 @@ from ._layout import Layout
 from ._placements import Replicate
 from ._plan import Step, plan, step_bytes
 from ._redistribute import layout_key, layout_of_key, redistribute
+from ._shard_map import NAMESPACE
 from ._sharding import shard_table
 
 __all__ = [
@@ -53,10 +54,7 @@ __all__ = [
     "decide",
     "decision_for",
     "unsupported",
-    "NAMESPACE",
 ]
-
-NAMESPACE = "functional_dtensor"
 
 
 class Handler(NamedTuple):
@@ -79,6 +77,7 @@ class Handler(NamedTuple):
 
 
 _NUMBERS = (int, float, bool)
+_VARIED = varied.TABLE  # the marks of ._varied (cleared and refilled in place, never rebound)
 
 
 _HANDLERS: dict[Callable, Handler] = {}
@@ -344,7 +343,7 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
         or not decision.direct
         or torch.is_grad_enabled()
         and decision.pvary_any
-        or varied.TABLE
+        or _VARIED  # a data-parallel forward runs (one dict's truth: the cost when none does)
     ):
         return _dispatch_tree(func, handler, args, {})
     return _wrap(handler.local(func, local, {}, decision.context), decision)
@@ -404,7 +403,7 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     grad = torch.is_grad_enabled()
     storages = []
     out_varied = frozenset()
-    if varied.TABLE and grad:
+    if _VARIED and grad:
         storages, out_varied = _varied_inputs(tensors, decision)
     else:
         for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary):

@@ -35,10 +35,9 @@ from ._errors import InputTypeError, LayoutError, ShapeError, explain
 from ._placements import Partial, Replicate
 from ._public import public
 from ._redistribute import redistribute
+from ._shard_map import NAMESPACE
 
 __all__ = ["Optimizer", "clip_grad_norm", "ELEMENTWISE"]
-
-NAMESPACE = "functional_dtensor"
 
 #: the torch.optim optimizers whose update of an element reads only that element's state
 ELEMENTWISE = (
@@ -129,6 +128,11 @@ class Optimizer:
     def _distinct(value: DTensor) -> torch.Tensor:
         return backend_of(value.device_mesh).distinct(storage_of(value), value.layout)
 
+    @staticmethod
+    def _storage(distinct: torch.Tensor, layout, shape) -> torch.Tensor:
+        """The storage of the value whose distinct blocks are ``distinct`` (padding zeroed)."""
+        return backend_of(layout.mesh).materialize(layout, tuple(shape), lambda _shape, _shard: distinct)
+
     def _checked(self, tree, what: str, *, allow_none: bool) -> list:
         where = f"fd.Optimizer.step({what})"
         leaves, tree_spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
@@ -186,7 +190,7 @@ class Optimizer:
             out = []
             for tensor, value, (layout, shape, _) in zip(self._tensors, values, self._layouts):
                 tensor.grad = None
-                storage = backend_of(layout.mesh).from_distinct(tensor.data, layout)
+                storage = self._storage(tensor.data, layout, shape)
                 out.append(new_value(storage.requires_grad_(value.requires_grad), layout, shape))
         return optree.tree_unflatten(self._tree, out)
 
@@ -213,9 +217,7 @@ class Optimizer:
             layout, shape, _ = self._layouts[index]
             tensor = self._tensors[index]
             state[self._paths[index]] = {
-                key: new_value(
-                    backend_of(layout.mesh).from_distinct(v.detach().clone(), layout), layout, shape
-                )
+                key: new_value(self._storage(v.detach().clone(), layout, shape), layout, shape)
                 if isinstance(v, torch.Tensor) and v.shape == tensor.shape and v.dim() > 0
                 else v.detach().clone()  # a fresh step counter: the optimizer counts in place
                 if isinstance(v, torch.Tensor)

@@ -62,9 +62,8 @@ from ._mesh import DeviceMesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
 from ._redistribute import gather_varied, redistribute
+from ._shard_map import NAMESPACE
 from ._spec import P
-
-NAMESPACE = "functional_dtensor"
 
 __all__ = [
     "ColwiseParallel",
@@ -251,16 +250,6 @@ class ShardedModule(NamedTuple):
     apply: Callable[..., Any]
 
 
-class _Binding:
-    """The places of one parameter or buffer in the module tree: ``(module, attribute)``
-    pairs (a tied weight has several)."""
-
-    __slots__ = ("places",)
-
-    def __init__(self) -> None:
-        self.places: list[tuple[nn.Module, str]] = []
-
-
 def _entries(spec_entries: list, dim: int, axis: str) -> None:
     current = spec_entries[dim]
     names = () if current is None else (current,) if isinstance(current, str) else tuple(current)
@@ -413,7 +402,8 @@ def _check_module(module, api: str) -> None:
 def _build(module, mesh, styles_of, layouts, root_fns, api) -> ShardedModule:
     # every parameter and buffer, by identity, with the first name it has (as named_parameters)
     params: dict[str, torch.Tensor] = {}
-    bindings: dict[str, _Binding] = {}
+    # its places: (module name, attribute) pairs (a tied weight has several)
+    bindings: dict[str, list[tuple[str, str]]] = {}
     owner: dict[str, str] = {}  # parameter name -> the name of the module holding it first
     first_name: dict[int, str] = {}
     for mod_name, sub in module.named_modules(remove_duplicate=False):
@@ -423,10 +413,10 @@ def _build(module, mesh, styles_of, layouts, root_fns, api) -> ShardedModule:
                     continue
                 name = first_name.setdefault(id(tensor), f"{mod_name}.{attr}" if mod_name else attr)
                 if name not in bindings:
-                    bindings[name] = _Binding()
+                    bindings[name] = []
                     params[name] = tensor
                     owner[name] = mod_name
-                bindings[name].places.append((sub, attr))
+                bindings[name].append((mod_name, attr))
     trainable = {name for name, t in params.items() if isinstance(t, nn.Parameter)}
 
     # layouts: tensor-parallel styles of the owning module, then the FullyShard above it
@@ -483,11 +473,8 @@ def _build(module, mesh, styles_of, layouts, root_fns, api) -> ShardedModule:
 
     skeleton = _skeleton(module, params)
     skel_modules = dict(skeleton.named_modules(remove_duplicate=False))
-    places = {
-        name: [(skel_modules[_module_name(module, sub)], attr) for sub, attr in binding.places]
-        for name, binding in bindings.items()
-    }
-    _install_hooks(skeleton, mesh, styles_of, managed, places, specs, root_fns)
+    places = {name: [(skel_modules[m], attr) for m, attr in pairs] for name, pairs in bindings.items()}
+    _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns)
     apply = _Apply(skeleton, mesh, places, set(sharded_params), buffers, replicated_over)
     return ShardedModule(sharded_params, apply)
 
@@ -500,13 +487,6 @@ def _unit_of(mod_name: str, units: dict[str, str]) -> str | None:
         if candidate in units:
             return candidate
     return None
-
-
-def _module_name(root: nn.Module, sub: nn.Module) -> str:
-    for name, candidate in root.named_modules(remove_duplicate=False):
-        if candidate is sub:
-            return name
-    raise AssertionError("unreachable: a submodule of the root")
 
 
 def _skeleton(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
@@ -543,7 +523,7 @@ def _on_axis(x, mesh: DeviceMesh, axis: str, placement: Placement | None, where:
     return redistribute(x, (*current[:index], placement, *current[index + 1 :]))
 
 
-def _install_hooks(skeleton, mesh, styles_of, managed, places, specs, root_fns) -> None:
+def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None:
     modules = dict(skeleton.named_modules(remove_duplicate=False))
     for mod_name, styles in styles_of.items():
         sub = modules[mod_name]

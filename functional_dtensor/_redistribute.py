@@ -73,29 +73,28 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
     if target == x.layout:
         return x
     storage = storage_of(x)
-    shape = tuple(x.shape)
-    if varied.TABLE and varied.axes_of(storage):  # a data-parallel parameter in a sharded forward
-        return _redistribute_varied(x, target)
+    axes = varied.axes_of(storage) if varied.TABLE else frozenset()
+    if not axes:
+        return _moved(x, target)
+    # a data-parallel parameter in a sharded forward (see ._varied): it stays varied where its
+    # axes keep their placements, and is made invariant first where they change
+    mesh = x.device_mesh
+    if any(a != b and n in axes for n, a, b in zip(mesh.axis_names, x.placements, target.placements)):
+        return _moved(DTensor(varied.invariant(storage, mesh), x.layout, x.shape), target)
+    out = _moved(x, target)
+    varied.mark(storage_of(out), axes)
+    return out
+
+
+def _moved(x: DTensor, target: Layout) -> DTensor:
+    """``x`` in ``target`` by the planned steps, one autograd node whose backward moves the
+    cotangent back."""
+    storage, shape = storage_of(x), tuple(x.shape)
     back_source, back_target, same = _back(x.layout, target)
     steps = _steps(x.layout, target, shape, storage)
     back = (back_source, back_target, () if same else _steps(back_source, back_target, shape, storage, True))
     storage = autograd.apply(_Redistribute, storage, x.layout, target, shape, steps, back)
     return DTensor(storage, target, x.shape)
-
-
-def _redistribute_varied(x: DTensor, target: Layout) -> DTensor:
-    """A varied value (see :mod:`._varied`) redistributed: still varied where its axes keep
-    their placements, made invariant first where they change."""
-    storage, mesh = storage_of(x), x.device_mesh
-    axes = varied.axes_of(storage)
-    moved = {n for n, a, b in zip(mesh.axis_names, x.placements, target.placements) if a != b}
-    if moved & axes:
-        return redistribute(DTensor(varied.invariant(storage, mesh), x.layout, x.shape), target)
-    with varied.scope():
-        varied.TABLE.clear()  # redistributed as an ordinary value, then marked again
-        out = redistribute(x, target)
-    varied.mark(storage_of(out), axes)
-    return out
 
 
 def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...]) -> DTensor:
