@@ -764,6 +764,18 @@ def _autograd_grad(func, args, kwargs, ctx):
     single = not isinstance(inputs, (tuple, list))
     inputs = [inputs] if single else list(inputs)
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for i, value in enumerate(inputs):
+        if type(value) is DTensor and not value.requires_grad:
+            raise InputTypeError(
+                explain(
+                    f"torch.autograd.grad(inputs[{i}])",
+                    "a gradient is taken with respect to values that need one",
+                    expected="an fd.DTensor with requires_grad",
+                    got=f"{value!r} with requires_grad=False",
+                    fix="lay out a tensor that needs one: fd.distribute_tensor(t.requires_grad_(), mesh, p), "
+                    "or use fd.parallelize_module(...).params or a factory with requires_grad=True",
+                )
+            )
     grad_outputs = arguments.get("grad_outputs")
     if grad_outputs is not None:
         grad_outputs = list(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else [grad_outputs]

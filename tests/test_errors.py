@@ -157,6 +157,7 @@ CASES = [
     ("context-parallel-uneven", lambda: fd.context_parallel_attention(*[fd.distribute_tensor(torch.ones(1, 2, 6, 4), MESH_1D, fd.P(None, None, "x")) for _ in range(3)], "x"), fd.ShapeError, ValueError, ["6"]),
     ("context-parallel-axis", lambda: fd.context_parallel_attention(*[fd.distribute_tensor(torch.ones(1, 2, 8, 4), MESH_1D, fd.P(None, None, "x")) for _ in range(3)], "nope"), fd.AxisNameError, Exception, ["'nope'"]),
     ("explain-not-an-op-input", lambda: fd.explain(torch.add, torch.ones(2), torch.ones(2)), fd.InputTypeError, TypeError, ["fd.DTensor"]),
+    ("autograd-grad-no-grad", lambda: torch.autograd.grad(_distributed(fd.P("x")).sum(), [_distributed(fd.P("x"))]), fd.InputTypeError, TypeError, ["torch.autograd.grad(inputs[0])", "requires_grad=False", "requires_grad_()"]),
     ("redistribute-plain-tensor", lambda: fd.redistribute(torch.ones(2), fd.P()), fd.InputTypeError, TypeError, ["fd.redistribute(x)", "fd.distribute_tensor"]),
 ]
 # fmt: on
