@@ -324,19 +324,22 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
         raise unsupported(func)
     if handler.rule is None:  # a composite of global ops, or an op on global values
         return handler.local(func, args, kwargs or {}, None)
-    if kwargs or torch.compiler.is_compiling() or not _is_flat(args):
+    if kwargs or torch.compiler.is_compiling():
         return _dispatch_tree(func, handler, args, kwargs or {}, found)
-    # the common case, flat arguments: one pass builds the key and the local arguments
+    # the common case, flat arguments: one pass checks them, builds the key and the local arguments
     key = [func]
     local = []
     for value in args:
-        if type(value) is DTensor:
+        kind = type(value)
+        if kind is DTensor:
             storage, layout, shape = parts_of(value)
             key += (layout, shape, storage.dtype)
             local.append(storage)
-        else:
-            key.append(value if handler.by_value or type(value) not in _NUMBERS else type(value))
+        elif kind in _FLAT or kind is tuple and all([type(n) is int for n in value]):
+            key.append(value if handler.by_value or kind not in _NUMBERS else kind)
             local.append(value)
+        else:
+            return _dispatch_tree(func, handler, args, {}, found)
     decision = _DECISIONS.get(tuple(key))
     if (
         decision is None
@@ -346,7 +349,10 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
         or _VARIED  # a data-parallel forward runs (one dict's truth: the cost when none does)
     ):
         return _dispatch_tree(func, handler, args, {})
-    return _wrap(handler.local(func, local, {}, decision.context), decision)
+    out = handler.local(func, local, {}, decision.context)
+    if type(out) is torch.Tensor and not decision.padded[0]:  # one output, no padding: the value
+        return new_value(out, decision.output, decision.out_shapes[0])
+    return _wrap(out, decision)
 
 
 def _wrap(out, decision: Decision):

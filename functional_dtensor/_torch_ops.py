@@ -135,17 +135,18 @@ register([torch.Tensor.detach, torch.detach], Handler(rules.linear, _none, _plai
 
 def _matmul_local(func, args, kwargs, ctx):
     a, b = args[0], args[1]
-    if ctx.lead and b.dim() == 3 and a.dim() > 3 and a.shape[0] == b.shape[0]:
+    dims = a.dim(), b.dim()
+    if dims == (3, 3) and (ctx.lead or a.size(0) == b.size(0)):  # a matrix per device, or per batch
+        # the same products: a contraction of length one is a broadcast product (one kernel)
+        return a * b if a.size(2) == 1 else torch.bmm(a, b)
+    if ctx.lead and dims[1] == 3 and dims[0] > 3:
         # a batch of rows times one matrix per device: the rows folded into one product per
         # device (broadcasting the matrix over the batch would copy it and split the product)
         rows = a.reshape(a.shape[0], -1, a.shape[-1])
         return torch.bmm(rows, b).reshape(*a.shape[:-1], b.shape[-1])
-    if ctx.lead and a.dim() != b.dim():  # align batch dims after the device dim
+    if ctx.lead and dims[0] != dims[1]:  # align batch dims after the device dim
         ndim = len(ctx.decision.out_shapes[0])
         a, b = [x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b)]
-    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:  # one matrix per device
-        # the same products: a contraction of length one is a broadcast product (one kernel)
-        return a * b if a.shape[-1] == 1 else torch.bmm(a, b)
     return torch.matmul(a, b)
 
 
