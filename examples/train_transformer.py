@@ -9,6 +9,7 @@ steps AdamW on the shards, and every step's loss is printed beside the single-de
     python examples/train_transformer.py                       # simulated mesh of 4 devices
     python examples/train_transformer.py --variant fsdp        # tp, sp, fsdp, sp+fsdp, cp
     torchrun --nproc-per-node 4 examples/train_transformer.py --backend distributed
+    python examples/train_transformer.py --device cuda         # the simulated mesh on one GPU
 """
 
 from __future__ import annotations
@@ -214,14 +215,17 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--backend", default="simulated", choices=("simulated", "distributed"))
     parser.add_argument("--tied", action="store_true", help="tie the output layer to the embedding")
+    parser.add_argument(
+        "--device", default="cpu", help="the mesh's device type: cpu or cuda (NCCL when distributed)"
+    )
     args = parser.parse_args(argv)
     cfg = Config(tied=args.tied)
     torch.manual_seed(0)
     model = Transformer(cfg)
     if args.backend == "distributed":
-        mesh = fd.init_device_mesh("cpu", (2, 2), axes_of(args.variant))
+        mesh = fd.init_device_mesh(args.device, (2, 2), axes_of(args.variant))
     else:
-        mesh = fd.simulated_mesh((2, 2), axes_of(args.variant))
+        mesh = fd.simulated_mesh((2, 2), axes_of(args.variant), device_type=args.device)
     talk = args.backend == "simulated" or int(os.environ.get("RANK", "0")) == 0
     reference, trained = train_single(model, cfg, args.steps)
     losses, params, comm, opt = train_sharded(model, cfg, mesh, args.variant, args.steps)
@@ -231,7 +235,8 @@ def main(argv=None) -> None:
         for step, (a, b) in enumerate(zip(reference, losses)):
             print(f"{step:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b):>10.2e}")
     worst = max(
-        (params[name].full_tensor() - p.detach()).abs().max().item() for name, p in trained.named_parameters()
+        (params[name].full_tensor().cpu() - p.detach()).abs().max().item()
+        for name, p in trained.named_parameters()
     )
     unsharded = sum(p.numel() * p.element_size() for p in trained.parameters())
     held = bytes_per_device(params)

@@ -354,6 +354,14 @@ def test_the_training_example_on_a_simulated_mesh_of_the_device(device, variant)
     assert reference[-1] < reference[0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_training_examples_command_on_the_device(device, capsys):
+    """``python examples/train_transformer.py --device cuda``: it exits normally only if the
+    sharded losses stay with the single-device ones."""
+    tt.main(["--variant", "sp+fsdp", "--steps", "2", "--device", device])
+    assert f"device_type='{device}'" in capsys.readouterr().out or device == "cpu"
+
+
 # --- the distributed backend in a process of its own (NCCL on CUDA) -------------------------------------
 
 WORLD_OF_ONE = textwrap.dedent(
