@@ -163,14 +163,14 @@ def loss_of(logits, targets):
 
 
 def train_single(
-    model: nn.Module, cfg: Config, steps: int, lr: float = 1e-2
+    model: nn.Module, cfg: Config, steps: int, lr: float = 1e-2, device: str = "cpu"
 ) -> tuple[list[float], nn.Module]:
-    """The reference: the same steps on one device with torch.optim.AdamW."""
-    model = copy.deepcopy(model)
+    """The reference: the same steps on one device (of type ``device``) with torch.optim.AdamW."""
+    model = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for tokens, targets in batches(cfg, steps):
-        loss = loss_of(model(tokens), targets)
+        loss = loss_of(model(tokens.to(device)), targets.to(device))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -227,7 +227,7 @@ def main(argv=None) -> None:
     else:
         mesh = fd.simulated_mesh((2, 2), axes_of(args.variant), device_type=args.device)
     talk = args.backend == "simulated" or int(os.environ.get("RANK", "0")) == 0
-    reference, trained = train_single(model, cfg, args.steps)
+    reference, trained = train_single(model, cfg, args.steps, device=args.device)
     losses, params, comm, opt = train_sharded(model, cfg, mesh, args.variant, args.steps)
     if talk:
         print(f"{args.variant} on {mesh!r}")
@@ -235,8 +235,7 @@ def main(argv=None) -> None:
         for step, (a, b) in enumerate(zip(reference, losses)):
             print(f"{step:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b):>10.2e}")
     worst = max(
-        (params[name].full_tensor().cpu() - p.detach()).abs().max().item()
-        for name, p in trained.named_parameters()
+        (params[name].full_tensor() - p.detach()).abs().max().item() for name, p in trained.named_parameters()
     )
     unsharded = sum(p.numel() * p.element_size() for p in trained.parameters())
     held = bytes_per_device(params)
