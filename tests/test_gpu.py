@@ -451,3 +451,89 @@ def test_the_gpu_benchmark_without_a_gpu_says_so():
     done = _bench("--quick")
     assert done.returncode == 2
     assert "needs a CUDA device" in done.stderr and "--device cpu" in done.stderr
+
+
+# --- tensors the library makes on the host (checked without a GPU) -----------------------------------
+
+FACTORIES = {
+    "tensor",
+    "as_tensor",
+    "arange",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+}
+HOST_ONLY_MODULES = {
+    "_demo.py": "the demo's inputs, on CPU meshes",
+    "_philox_native.py": "the CPU's C kernels",
+}
+#: (module, the call as ``ast.unparse`` writes it): why a tensor made without ``device=`` is right
+HOST_TENSORS = {
+    (
+        "_blocks.py",
+        "torch.tensor([len(info.shape), dtype, device, int(info.requires_grad), *shape], dtype=torch.int64)",
+    ): "a shard's metadata, moved to the mesh's device before the all-gather",
+    (
+        "_distributed/runtime.py",
+        "torch.tensor(group_ids(mesh), dtype=torch.int)",
+    ): "rank ids for torch's DeviceMesh",
+    ("_interop.py", "torch.arange(mesh.size, dtype=torch.int)"): "rank ids for torch's DeviceMesh",
+    ("_explain.py", "torch.empty((), dtype=dtype)"): "an element size",
+    ("_visualize.py", "torch.empty((), dtype=picture.dtype)"): "an element size",
+    (
+        "_shard_map.py",
+        "torch.tensor(value)",
+    ): "a number with spec P(), moved to the mesh's device with the other arguments",
+    ("_simulated/engine.py", "torch.arange(size)"): "vmap's device count, dropped before the function runs",
+    ("random.py", "torch.zeros(1, dtype=torch.int64)"): "runs of indices for the CPU's C kernels",
+    ("random.py", "torch.full((1,), base, dtype=torch.int64)"): "runs of indices for the CPU's C kernels",
+    ("random.py", "torch.arange(local[d], dtype=torch.int64)"): "runs of indices for the CPU's C kernels",
+    (
+        "random.py",
+        "torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64)",
+    ): "a seed, read into a Python int",
+}
+#: made on the host and then reduced over the mesh's process group, which NCCL refuses
+NCCL_HAZARDS = {("_distributed/storage.py", "torch.tensor([float(d) for d in differs])")}
+
+
+def host_tensors() -> set[tuple[str, str]]:
+    """Every ``torch.<factory>(...)`` call of the library without a ``device=`` argument."""
+    import ast
+
+    package = ROOT / "functional_dtensor"
+    found = set()
+    for path in sorted(package.rglob("*.py")):
+        module = path.relative_to(package).as_posix()
+        if module in HOST_ONLY_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in FACTORIES
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
+                found.add((module, ast.unparse(node)))
+    return found
+
+
+def test_the_library_makes_tensors_on_the_host_only_where_that_is_right():
+    """A tensor made without ``device=`` lives on the CPU: next to CUDA tensors it is an error
+    or a copy per call. Each such call is listed with its reason; a new one needs its own."""
+    unexplained = host_tensors() - HOST_TENSORS.keys() - NCCL_HAZARDS
+    assert not unexplained, f"tensors made on the host, next to the mesh's device: {sorted(unexplained)}"
+
+
+@pytest.mark.xfail(
+    strict=True, reason="run_check's flags are made on the CPU and all-reduced: NCCL refuses them"
+)
+def test_no_host_tensor_goes_through_a_collective():
+    assert not (host_tensors() & NCCL_HAZARDS)
