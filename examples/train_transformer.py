@@ -9,6 +9,7 @@ steps AdamW on the shards, and every step's loss is printed beside the single-de
     python examples/train_transformer.py                       # simulated mesh of 4 devices
     python examples/train_transformer.py --variant fsdp        # tp, sp, fsdp, sp+fsdp, cp
     torchrun --nproc-per-node 4 examples/train_transformer.py --backend distributed
+    python examples/train_transformer.py --device cuda         # the simulated mesh on one GPU
 """
 
 from __future__ import annotations
@@ -162,14 +163,14 @@ def loss_of(logits, targets):
 
 
 def train_single(
-    model: nn.Module, cfg: Config, steps: int, lr: float = 1e-2
+    model: nn.Module, cfg: Config, steps: int, lr: float = 1e-2, device: str = "cpu"
 ) -> tuple[list[float], nn.Module]:
-    """The reference: the same steps on one device with torch.optim.AdamW."""
-    model = copy.deepcopy(model)
+    """The reference: the same steps on one device (of type ``device``) with torch.optim.AdamW."""
+    model = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for tokens, targets in batches(cfg, steps):
-        loss = loss_of(model(tokens), targets)
+        loss = loss_of(model(tokens.to(device)), targets.to(device))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -214,16 +215,19 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--backend", default="simulated", choices=("simulated", "distributed"))
     parser.add_argument("--tied", action="store_true", help="tie the output layer to the embedding")
+    parser.add_argument(
+        "--device", default="cpu", help="the mesh's device type: cpu or cuda (NCCL when distributed)"
+    )
     args = parser.parse_args(argv)
     cfg = Config(tied=args.tied)
     torch.manual_seed(0)
     model = Transformer(cfg)
     if args.backend == "distributed":
-        mesh = fd.init_device_mesh("cpu", (2, 2), axes_of(args.variant))
+        mesh = fd.init_device_mesh(args.device, (2, 2), axes_of(args.variant))
     else:
-        mesh = fd.simulated_mesh((2, 2), axes_of(args.variant))
+        mesh = fd.simulated_mesh((2, 2), axes_of(args.variant), device_type=args.device)
     talk = args.backend == "simulated" or int(os.environ.get("RANK", "0")) == 0
-    reference, trained = train_single(model, cfg, args.steps)
+    reference, trained = train_single(model, cfg, args.steps, device=args.device)
     losses, params, comm, opt = train_sharded(model, cfg, mesh, args.variant, args.steps)
     if talk:
         print(f"{args.variant} on {mesh!r}")

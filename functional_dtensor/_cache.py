@@ -11,7 +11,9 @@ import functools
 
 import torch
 
-__all__ = ["cached"]
+__all__ = ["cached", "cache_sizes"]
+
+_caches: list = []  # every cache made by :func:`cached`, for :func:`cache_sizes`
 
 
 def cached(maxsize: int):
@@ -27,6 +29,16 @@ def cached(maxsize: int):
             return hit(*args, **kwargs)
 
         call.cache_clear = hit.cache_clear
+        call.cache_info = hit.cache_info
+        _caches.append(call)
         return call
 
     return decorate
+
+
+def cache_sizes() -> dict[str, tuple[int, int]]:
+    """The entries and the bound of every cache made by :func:`cached`, by function name
+    (``module.qualname``): what a long run watches to see that the caches stay bounded."""
+    return {
+        f"{c.__module__}.{c.__qualname__}": (c.cache_info().currsize, c.cache_info().maxsize) for c in _caches
+    }

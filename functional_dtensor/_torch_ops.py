@@ -893,7 +893,9 @@ def _cross_entropy(func, args, kwargs, ctx):
     view = [1] * logits.ndim
     view[dim] = classes
     index = distribute_tensor(
-        torch.arange(classes).view(view), logits.device_mesh, [Replicate()] * logits.device_mesh.ndim
+        torch.arange(classes, device=logits.device_mesh.device_type).view(view),
+        logits.device_mesh,
+        [Replicate()] * logits.device_mesh.ndim,
     )
     picked = torch.mul(log_probs, torch.eq(target.unsqueeze(dim), index)).sum(dim)
     keep = torch.ne(target, bound.get("ignore_index", -100))
