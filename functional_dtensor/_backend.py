@@ -86,10 +86,14 @@ class Backend:
     # A group of one device (axes of size 1) communicates nothing: each kernel's local form
     # runs instead, on a copy (a collective returns a new tensor), and nothing is counted.
 
-    def all_reduce(self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum"):
+    def all_reduce(
+        self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum", *, counted: bool = True
+    ):
+        """(``counted=False``: the caller records it, as part of one bucketed collective.)"""
         if mesh.axis_size(axes) == 1:
             return x.clone()
-        self.count("all_reduce", axes, x, mesh.axis_size(axes))
+        if counted:
+            self.count("all_reduce", axes, x, mesh.axis_size(axes))
         return self._kernels.all_reduce(x, mesh, axes, op)
 
     def all_gather(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):

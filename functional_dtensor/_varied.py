@@ -79,7 +79,18 @@ class _VaryAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        lead = 1 if backend_of(ctx.mesh).stacked else 0
+        backend = backend_of(ctx.mesh)
+        present = [g for g in grads if g is not None]
+        if backend.stacked and not any([g.requires_grad for g in present]):
+            # one process: each gradient summed where it lies (no concatenation to copy, no copy
+            # of a transposed gradient), recorded as the one bucketed all-reduce of the ranks
+            nbytes = sum([g[0].numel() * g.element_size() for g in present])
+            backend.count_bytes("all_reduce", ctx.axes, nbytes, ctx.mesh.axis_size(ctx.axes))
+            summed = [
+                None if g is None else backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False) for g in grads
+            ]
+            return (None, None, *summed)
+        lead = 1 if backend.stacked else 0
         out = list(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, g in enumerate(grads):

@@ -61,8 +61,14 @@ def _from_groups(y: torch.Tensor, mesh: DeviceMesh, order: tuple[int, ...]) -> t
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
     groups, order = _to_groups(x, mesh, axes)
-    reduced = blocks.reduce(groups, op, 1, keepdim=True)
-    return _from_groups(reduced.expand(groups.shape).contiguous(), mesh, order)
+    reduced = blocks.reduce(groups, op, 1, keepdim=True)  # (rest, 1, *local)
+    # back on the mesh grid with the group's axes of size one, then one copy to every device
+    sizes = [1 if p >= mesh.ndim - len(axes) else mesh.shape[q] for p, q in enumerate(order)]
+    grid = reduced.reshape(*sizes, *x.shape[1:])
+    if order != tuple(range(mesh.ndim)):
+        inverse = sorted(range(mesh.ndim), key=order.__getitem__)
+        grid = grid.permute(*inverse, *range(mesh.ndim, grid.dim()))
+    return grid.expand(*mesh.shape, *x.shape[1:]).contiguous().view(x.shape)
 
 
 def all_gather(
