@@ -24,6 +24,8 @@ from .. import _log as log
 from .._cache import cached
 from .._errors import MeshError, explain
 from .._mesh import DeviceMesh, check_device_type
+from . import checks
+from .errors import DEFAULT_TIMEOUT
 
 __all__ = [
     "init_device_mesh",
@@ -35,8 +37,6 @@ __all__ = [
     "DEFAULT_TIMEOUT",
 ]
 
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("FD_COLLECTIVE_TIMEOUT", 300)))
-
 _torch_meshes: dict[DeviceMesh, object] = {}
 _groups: dict[tuple[DeviceMesh, tuple[str, ...]], dist.ProcessGroup] = {}
 
@@ -47,10 +47,14 @@ def init_device_mesh(
     axis_names: str | Sequence[str],
     *,
     timeout: datetime.timedelta | None = None,
+    check_collectives: bool | None = None,
 ) -> DeviceMesh:
     """A mesh over the ranks of ``torch.distributed`` (one device per rank), creating the process
     group from the ``torchrun`` environment when there is none yet: gloo on CPU, NCCL on CUDA.
-    ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error."""
+    ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error (default
+    60 s, or ``FD_COLLECTIVE_TIMEOUT`` seconds). ``check_collectives`` turns on the collective
+    checks for the rest of the run (see ``fd.check_collectives``; default: on when the
+    environment variable ``FD_CHECK_COLLECTIVES`` is 1)."""
     device_type = check_device_type(device_type, "fd.init_device_mesh")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
@@ -75,6 +79,12 @@ def init_device_mesh(
     for count in range(1, len(names) + 1):  # every group made now, by every rank in one order: a
         for axes in itertools.combinations(names, count):  # compiled graph never makes one
             group(mesh, axes)
+    if check_collectives is None:
+        check_collectives = os.environ.get("FD_CHECK_COLLECTIVES", "0").lower() in ("1", "true", "yes", "on")
+    if check_collectives:
+        checks.enable(timeout)
+    elif checks.on:  # on before torch.distributed was: its group is made now, by every rank
+        checks.start()
     return mesh
 
 
