@@ -35,10 +35,13 @@ def seconds(timeout: datetime.timedelta) -> str:
 
 
 def call_site(depth: int = 1) -> str:
-    """``file:line`` (and the line's code) of the innermost frame outside the library and torch:
-    the user's line that led to the collective (``?`` when there is none)."""
+    """``file:line`` (and the line's code) of the innermost frame outside the library and torch
+    (and outside helpers that hide themselves with ``__tracebackhide__``, as pytest's do): the
+    user's line that led to the collective (``?`` when there is none)."""
     frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_INTERNAL) or frame.f_locals.get("__tracebackhide__")
+    ):
         frame = frame.f_back
     if frame is None:
         return "?"
