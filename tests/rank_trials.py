@@ -220,6 +220,9 @@ def _rank_main(rank, world, port, timeout, program, plan, check, out, deadline, 
             message=str(e),
         )
         _write(out, rank, record)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(5, exit=False)  # in the log, should the exit hang
         raise  # as a script would: the process ends with the error
     record.update(ok=True, time=time.time(), calls=kernels.c10d.calls)
     _write(out, rank, record)
@@ -287,6 +290,19 @@ def _mesh(world: int):
     return fd.init_device_mesh("cpu", (world,), ("tp",))
 
 
+def _finish(mesh) -> None:
+    """The end of every program: a psum over the whole mesh (as a script reports its global
+    loss), so that every rank has a collective left with every other."""
+    import torch
+
+    import functional_dtensor as fd
+
+    axes = mesh.axis_names
+    fd.shard_map(lambda v: fd.psum(v, axes), mesh=mesh, in_specs=fd.P(axes), out_specs=fd.P())(
+        torch.ones(mesh.size)
+    )
+
+
 def program_shard_map(world: int, seed: int) -> None:
     """A per-device function of every collective, three times, then the result gathered."""
     import torch
@@ -307,6 +323,7 @@ def program_shard_map(world: int, seed: int) -> None:
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))
     for _ in range(3):
         x = f(x).full_tensor()
+    _finish(mesh)
 
 
 def program_redistribute(world: int, seed: int) -> None:
@@ -326,6 +343,7 @@ def program_redistribute(world: int, seed: int) -> None:
         for spec in specs:
             x = fd.redistribute(x, spec)
     x.full_tensor()
+    _finish(mesh)
 
 
 def program_global_ops(world: int, seed: int) -> None:
@@ -344,6 +362,7 @@ def program_global_ops(world: int, seed: int) -> None:
         e = (a * 2).mean() + d.max()
         a = a + e
     a.full_tensor()
+    _finish(mesh)
 
 
 def program_training(world: int, seed: int) -> None:
@@ -370,6 +389,7 @@ def program_training(world: int, seed: int) -> None:
         grads = torch.autograd.grad(loss, list(params.values()))
         params = opt.step(params, dict(zip(params, grads)))
     loss.full_tensor()
+    _finish(mesh)
 
 
 def _skip_last(world: int, wait: bool) -> None:

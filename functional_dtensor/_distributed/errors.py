@@ -78,7 +78,7 @@ def c10d(collective, *args, group, name: str, axes: tuple[str, ...], **kwargs) -
         raise CommunicationError(
             explain(
                 f"{describe(name, axes, group)}, called at {call_site(2)}",
-                f"the collective failed on rank {dist.get_rank()}",
+                f"the collective failed on rank {dist.get_rank() if dist.is_initialized() else '?'}",
                 expected="every rank of the group to join it within the process group's timeout",
                 got=str(error).splitlines()[0],
                 fix="check the other ranks' logs: a rank that died, or that skipped this "

@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 _torch_meshes: dict[DeviceMesh, object] = {}
+_timeout: list[datetime.timedelta] = []  # the collective timeout of the process group, once read
 _groups: dict[tuple[DeviceMesh, tuple[str, ...]], dist.ProcessGroup] = {}
 
 
@@ -63,6 +64,7 @@ def init_device_mesh(
         if device_type.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
+        _timeout[:] = [timeout or DEFAULT_TIMEOUT]
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise MeshError(
@@ -82,7 +84,7 @@ def init_device_mesh(
     if check_collectives is None:
         check_collectives = os.environ.get("FD_CHECK_COLLECTIVES", "0").lower() in ("1", "true", "yes", "on")
     if check_collectives:
-        checks.enable(timeout)
+        checks.enable(timeout or collective_timeout())
     elif checks.on:  # on before torch.distributed was: its group is made now, by every rank
         checks.start()
     return mesh
@@ -107,6 +109,7 @@ def torch_mesh(mesh: DeviceMesh):
         _check_initialized(mesh)
         from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
+        override, world = _group_config(), dist.get_world_size()
         for root, root_torch_mesh in list(_torch_meshes.items()):
             if _slices(root, mesh):
                 names = tuple(sorted(mesh.axis_names, key=root.axis_position))
@@ -116,7 +119,13 @@ def torch_mesh(mesh: DeviceMesh):
                 break
         else:
             ids = torch.tensor(group_ids(mesh), dtype=torch.int).reshape(mesh.shape)
-            found = TorchMesh(mesh.device_type.split(":")[0], ids, mesh_dim_names=mesh.axis_names)
+            found = TorchMesh(
+                mesh.device_type.split(":")[0],
+                ids,
+                mesh_dim_names=mesh.axis_names,
+                # an axis over the whole world runs on the default group, which has the timeout
+                backend_override=tuple([(None, None) if n == world else override for n in mesh.shape]),
+            )
         if found is None:
             raise MeshError(
                 explain(
@@ -139,7 +148,10 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
         found = _groups.get((mesh, names))
         if found is None:
             tm = torch_mesh(mesh)
-            found = tm.get_group(names[0]) if len(names) == 1 else tm[names]._flatten().get_group()
+            if len(names) == 1:
+                found = tm.get_group(names[0])
+            else:
+                found = tm[names]._flatten(backend_override=_group_config()).get_group()
             _groups[(mesh, names)] = found
             if log.groups.isEnabledFor(logging.INFO):
                 log.groups.info(
@@ -152,6 +164,32 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
         if not torch.compiler.is_compiling():
             _groups[(mesh, axes)] = found
     return found
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout of the default process group (which every mesh group shares)."""
+    if not _timeout:
+        try:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            _timeout.append(backend.options._timeout)
+        except Exception:  # no CPU backend, or no options to read
+            _timeout.append(DEFAULT_TIMEOUT)
+    return _timeout[0]
+
+
+def _group_config():
+    """The backend and options of the groups a mesh makes: the default group's backend and its
+    timeout (torch would give new groups its own default timeout, 30 minutes: a dead rank of a
+    mesh axis would then hang the others for that long)."""
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return (None, None)
+    options._timeout = collective_timeout()
+    return (backend, options)
 
 
 def group_ids(mesh: DeviceMesh) -> tuple[int, ...]:
