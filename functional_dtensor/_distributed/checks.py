@@ -249,8 +249,8 @@ def _absent(mine: dict, group, timeout: datetime.timedelta, error: Exception, st
             seen.append(f"rank {other} last called {_what(last)}")
     return explain(
         f"{describe(mine['name'], tuple(mine['axes']), group)}, called at {mine['site']}",
-        f"rank {mine['rank']} reached collective #{mine['position']}, and not every rank came within "
-        f"{seconds(timeout)} (fd.check_collectives)",
+        f"rank {mine['rank']} reached collective #{mine['position']} and not every rank came (it "
+        f"waits {seconds(timeout)} at most, fd.check_collectives)",
         expected="every rank at the same collective",
         got=f"{str(error).splitlines()[0]}; " + ("; ".join(seen) or "no rank wrote what it last called"),
         fix="a rank that exited, died, or skipped this collective (or is stuck before it) stops the "
