@@ -127,3 +127,22 @@ def test_the_error_names_the_collective_axis_group_and_line():
     assert message.startswith("all_gather over mesh axis 'tp'"), message
     assert f"{os.path.basename(__file__)}:" in message and "Connection closed by peer" in message
     assert "FD_CHECK_COLLECTIVES=1" in message
+
+
+def job_group_timeouts() -> list[float]:
+    """The timeout of every group of a 2x2 mesh (each axis, the flattened pair)."""
+    import torch
+
+    from functional_dtensor._distributed import runtime
+
+    mesh = fd.init_device_mesh("cpu", (2, 2), ("dp", "tp"))
+    groups = [runtime.group(mesh, axes) for axes in (("dp",), ("tp",), ("dp", "tp"))]
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+
+
+def test_mesh_axis_groups_share_the_collective_timeout(gloo):
+    """torch gives the groups it makes its own default timeout (30 minutes): a stuck rank of one
+    mesh axis would hang the others that long. The mesh's groups get the process group's."""
+    pool = gloo.pool(4)
+    for rank, timeouts in enumerate(pool.run(job_group_timeouts)):
+        assert timeouts == [pool.timeout] * 3, (rank, timeouts)
