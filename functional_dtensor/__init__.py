@@ -21,12 +21,14 @@ from ._collectives import (
     pvary,
 )
 from ._comm_debug import CommDebugMode
+from ._distributed.checks import check_collectives
 from ._distributed.runtime import init_device_mesh
 from ._dtensor import DTensor, distribute_tensor, from_local
 from ._errors import (
     AxisNameError,
     BatchedFunctionError,
     CheckpointError,
+    CollectiveMismatchError,
     CommunicationError,
     FunctionalDTensorError,
     ImmutableError,
@@ -79,6 +81,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "init_device_mesh",
+    "check_collectives",
     "pmax",
     "pmean",
     "pmin",
@@ -95,6 +98,7 @@ __all__ = [
     "BatchedFunctionError",
     "CheckpointError",
     "CommunicationError",
+    "CollectiveMismatchError",
     "DTensor",
     "DeviceMesh",
     "FunctionalDTensorError",

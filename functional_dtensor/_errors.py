@@ -18,6 +18,7 @@ __all__ = [
     "InputTypeError",
     "AxisNameError",
     "CommunicationError",
+    "CollectiveMismatchError",
     "ImmutableError",
     "BatchedFunctionError",
     "CheckpointError",
@@ -63,6 +64,13 @@ class AxisNameError(FunctionalDTensorError, NameError):
 @public
 class CommunicationError(FunctionalDTensorError, RuntimeError):
     """A collective failed or timed out on the distributed backend (a dead or stuck rank)."""
+
+
+@public
+class CollectiveMismatchError(CommunicationError):
+    """Ranks called different collectives at the same position (another collective, mesh axes,
+    shape, dtype, reduce op or parameter): found by the collective checks
+    (``fd.check_collectives``) before the collective runs, on every rank."""
 
 
 @public

@@ -195,9 +195,11 @@ def test_every_error_class_is_also_a_builtin():
         fd.InputTypeError: TypeError,
         fd.AxisNameError: NameError,
         fd.CommunicationError: RuntimeError,
+        fd.CollectiveMismatchError: RuntimeError,
     }
     for error, builtin in pairs.items():
         assert issubclass(error, fd.FunctionalDTensorError) and issubclass(error, builtin)
+    assert issubclass(fd.CollectiveMismatchError, fd.CommunicationError)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from torch.fx.node import has_side_effect
 
 from .. import _blocks as blocks
 from .._mesh import DeviceMesh
-from . import runtime
+from . import checks, runtime
 from .errors import c10d
 
 __all__ = [
@@ -35,6 +35,9 @@ __all__ = [
     "partition",
     "reduce_broadcast",
 ]
+
+#: the library's name of an all-reduce of each op, as errors and the collective checks say it
+_REDUCE_NAMES = {"sum": "psum", "avg": "pmean", "max": "pmax", "min": "pmin"}
 
 _C10D_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -68,14 +71,14 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, op: str, group, axes: tuple[str, ...]) -> torch.Tensor:
     if op == "avg" and not (x.is_floating_point() or x.is_complex()):
         # the average of _blocks.reduce, rounded down (gloo averages integers in float)
-        return blocks.average(_all_reduce(x, "sum", group), dist.get_world_size(group))
+        return blocks.average(_all_reduce(x, "sum", group, axes), dist.get_world_size(group))
     if _traced():
         return _wait(funcol.all_reduce(x, op, group))
     out = x.clone(memory_format=torch.contiguous_format)
-    c10d(all_reduce_in_place, out, op=_C10D_OPS[op], group=group)
+    c10d(all_reduce_in_place, out, op=_C10D_OPS[op], group=group, name=_REDUCE_NAMES[op], axes=axes)
     return out
 
 
@@ -96,32 +99,34 @@ def _allreduce_options(op) -> dist.AllreduceOptions:
     return options
 
 
-def _all_gather(x: torch.Tensor, size: int, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, size: int, group, axes: tuple[str, ...]) -> torch.Tensor:
     """``(size * x.shape[0], ...)``: every rank's ``x`` concatenated along dim 0."""
     x = x.contiguous()
     if _traced():
         return _wait(funcol.all_gather_single(x, 0, group))
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    c10d(dist.all_gather_single, out, x, group=group)
+    c10d(dist.all_gather_single, out, x, group=group, name="all_gather", axes=axes)
     return out
 
 
-def _reduce_scatter(x: torch.Tensor, size: int, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, size: int, group, axes: tuple[str, ...]) -> torch.Tensor:
     """Sum over ranks of ``x``; rank ``i`` keeps block ``i`` of dim 0."""
     x = x.contiguous()
     if _traced():
         return _wait(funcol.reduce_scatter_single(x, "sum", 0, group))
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    c10d(dist.reduce_scatter_single, out, x, group=group)
+    c10d(dist.reduce_scatter_single, out, x, group=group, name="psum_scatter", axes=axes)
     return out
 
 
-def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, out_splits, in_splits, group, name: str, axes: tuple[str, ...]
+) -> torch.Tensor:
     x = x.contiguous()
     if _traced():
         return _wait(funcol.all_to_all_single(x, out_splits, in_splits, group))
     out = x.new_empty((sum(out_splits) if out_splits is not None else x.shape[0], *x.shape[1:]))
-    c10d(dist.all_to_all_single, out, x, out_splits, in_splits, group=group)
+    c10d(dist.all_to_all_single, out, x, out_splits, in_splits, group=group, name=name, axes=axes)
     return out
 
 
@@ -151,16 +156,25 @@ def _reorder_blocks(x: torch.Tensor, dim: int, mesh: DeviceMesh, axes: tuple[str
     return blocks.permute(*lead, *order, *tail).reshape(x.shape)
 
 
+# Each kernel first asks the collective checks (``checks.on``, one test when they are off) to
+# compare what every rank is about to call: eager only, a trace records no check.
+
+
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
-    return _all_reduce(x, op, runtime.group(mesh, axes))
+    group = runtime.group(mesh, axes)
+    if checks.on and not _traced():
+        checks.check(_REDUCE_NAMES[op], x, mesh, axes, group, {})
+    return _all_reduce(x, op, group, axes)
 
 
 def all_gather(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
 ) -> torch.Tensor:
     group = runtime.group(mesh, axes)
+    if checks.on and not _traced():
+        checks.check("all_gather", x, mesh, axes, group, {"dim": dim, "tiled": tiled})
     size = mesh.axis_size(axes)
-    stacked = _all_gather(x, size, group)  # (size * x0, ...)
+    stacked = _all_gather(x, size, group, axes)  # (size * x0, ...)
     stacked = stacked.reshape(size, *x.shape)
     stacked = _reorder_blocks(stacked, 0, mesh, axes, to_mesh_order=False)
     gathered = stacked.movedim(0, dim)
@@ -173,13 +187,15 @@ def reduce_scatter(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
 ) -> torch.Tensor:
     group = runtime.group(mesh, axes)
+    if checks.on and not _traced():
+        checks.check("psum_scatter", x, mesh, axes, group, {"dim": dim, "tiled": tiled})
     size = mesh.axis_size(axes)
     if tiled:
         x = x.reshape(*x.shape[:dim], size, x.shape[dim] // size, *x.shape[dim + 1 :])
     blocks = x.movedim(dim, 0)  # (size, ...): block i goes to device i (given order)
     blocks = _reorder_blocks(blocks, 0, mesh, axes, to_mesh_order=True)
     flat = blocks.reshape(size * blocks.shape[1] if blocks.dim() > 1 else size, *blocks.shape[2:])
-    out = _reduce_scatter(flat, size, group)
+    out = _reduce_scatter(flat, size, group, axes)
     return out.reshape(blocks.shape[1:])
 
 
@@ -187,12 +203,14 @@ def all_to_all(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool
 ) -> torch.Tensor:
     group = runtime.group(mesh, axes)
+    if checks.on and not _traced():
+        checks.check("all_to_all", x, mesh, axes, group, {"split": split, "concat": concat, "tiled": tiled})
     size = mesh.axis_size(axes)
     if tiled:
         x = x.reshape(*x.shape[:split], size, x.shape[split] // size, *x.shape[split + 1 :])
     blocks = x.movedim(split, 0)  # (dst, ...)
     blocks = _reorder_blocks(blocks, 0, mesh, axes, to_mesh_order=True).contiguous()
-    received = _all_to_all(blocks.reshape(-1), None, None, group)
+    received = _all_to_all(blocks.reshape(-1), None, None, group, "all_to_all", axes)
     received = received.reshape(blocks.shape)  # (src in mesh order, ...)
     received = _reorder_blocks(received, 0, mesh, axes, to_mesh_order=False)
     out = received.movedim(0, concat)
@@ -206,6 +224,8 @@ def permute(
 ) -> torch.Tensor:
     """Send to ``dst`` and receive from ``src`` for each pair (zeros where nothing arrives)."""
     group = runtime.group(mesh, axes)
+    if checks.on and not _traced():
+        checks.check("ppermute", x, mesh, axes, group, {"perm": perm})
     size = mesh.axis_size(axes)
     me = runtime.group_index(mesh, axes)
     to_mesh = _mesh_positions(mesh, axes)
@@ -220,7 +240,7 @@ def permute(
     flat = x.contiguous().reshape(-1)
     if not any(send):
         flat = flat[:0]
-    received = _all_to_all(flat, recv, send, group)
+    received = _all_to_all(flat, recv, send, group, "ppermute", axes)
     if received.numel() == 0:
         return torch.zeros_like(x)
     return received.reshape(x.shape)
@@ -253,7 +273,7 @@ def _reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], root: int)
     if _traced():
         return _wait(funcol.all_reduce(x, "sum", group))
     out = x.clone(memory_format=torch.contiguous_format)
-    c10d(dist.reduce, out, runtime.group_ids(mesh)[root], group=group)
+    c10d(dist.reduce, out, runtime.group_ids(mesh)[root], group=group, name="reduce", axes=axes)
     return out
 
 
@@ -271,7 +291,7 @@ def _broadcast(
             group_rank = group_rank * mesh.shape[position] + coordinate[position]
         return _wait(funcol.broadcast(x, group_rank, group))
     out = x if donate and x.is_contiguous() else x.contiguous().clone()
-    c10d(dist.broadcast, out, runtime.group_ids(mesh)[root], group=group)
+    c10d(dist.broadcast, out, runtime.group_ids(mesh)[root], group=group, name="broadcast", axes=axes)
     return out
 
 
@@ -290,6 +310,9 @@ def reduce_broadcast(x: torch.Tensor, mesh: DeviceMesh, a: int, b: int, op: str)
     """Partial on axis ``a``, Shard on axis ``b`` (equal sizes) -> Shard on ``a``, Replicate on
     ``b``: the group along ``a`` of column ``j`` reduces into the device at ``a = j``, which
     broadcasts along its row (``b``)."""
+    if checks.on and not _traced():
+        axes = (mesh.axis_names[a], mesh.axis_names[b])
+        checks.check("reduce+broadcast", x, mesh, axes, runtime.group(mesh, axes), {"op": op})
     here = list(runtime.coordinate(mesh))
     root = list(here)
     root[a] = here[b]  # the device of my column on the diagonal

@@ -24,6 +24,8 @@ from .. import _log as log
 from .._cache import cached
 from .._errors import MeshError, explain
 from .._mesh import DeviceMesh, check_device_type
+from . import checks
+from .errors import DEFAULT_TIMEOUT
 
 __all__ = [
     "init_device_mesh",
@@ -35,9 +37,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
 ]
 
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("FD_COLLECTIVE_TIMEOUT", 300)))
-
 _torch_meshes: dict[DeviceMesh, object] = {}
+_timeout: list[datetime.timedelta] = []  # the collective timeout of the process group, once read
 _groups: dict[tuple[DeviceMesh, tuple[str, ...]], dist.ProcessGroup] = {}
 
 
@@ -47,10 +48,14 @@ def init_device_mesh(
     axis_names: str | Sequence[str],
     *,
     timeout: datetime.timedelta | None = None,
+    check_collectives: bool | None = None,
 ) -> DeviceMesh:
     """A mesh over the ranks of ``torch.distributed`` (one device per rank), creating the process
     group from the ``torchrun`` environment when there is none yet: gloo on CPU, NCCL on CUDA.
-    ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error."""
+    ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error (default
+    60 s, or ``FD_COLLECTIVE_TIMEOUT`` seconds). ``check_collectives`` turns on the collective
+    checks for the rest of the run (see ``fd.check_collectives``; default: on when the
+    environment variable ``FD_CHECK_COLLECTIVES`` is 1)."""
     device_type = check_device_type(device_type, "fd.init_device_mesh")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
@@ -59,6 +64,7 @@ def init_device_mesh(
         if device_type.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
+        _timeout[:] = [timeout or DEFAULT_TIMEOUT]
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise MeshError(
@@ -75,6 +81,12 @@ def init_device_mesh(
     for count in range(1, len(names) + 1):  # every group made now, by every rank in one order: a
         for axes in itertools.combinations(names, count):  # compiled graph never makes one
             group(mesh, axes)
+    if check_collectives is None:
+        check_collectives = os.environ.get("FD_CHECK_COLLECTIVES", "0").lower() in ("1", "true", "yes", "on")
+    if check_collectives:
+        checks.enable(timeout or collective_timeout())
+    elif checks.on:  # on before torch.distributed was: its group is made now, by every rank
+        checks.start()
     return mesh
 
 
@@ -97,6 +109,7 @@ def torch_mesh(mesh: DeviceMesh):
         _check_initialized(mesh)
         from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
+        override, world = _group_config(), dist.get_world_size()
         for root, root_torch_mesh in list(_torch_meshes.items()):
             if _slices(root, mesh):
                 names = tuple(sorted(mesh.axis_names, key=root.axis_position))
@@ -106,7 +119,13 @@ def torch_mesh(mesh: DeviceMesh):
                 break
         else:
             ids = torch.tensor(group_ids(mesh), dtype=torch.int).reshape(mesh.shape)
-            found = TorchMesh(mesh.device_type.split(":")[0], ids, mesh_dim_names=mesh.axis_names)
+            found = TorchMesh(
+                mesh.device_type.split(":")[0],
+                ids,
+                mesh_dim_names=mesh.axis_names,
+                # an axis over the whole world runs on the default group, which has the timeout
+                backend_override=tuple([(None, None) if n == world else override for n in mesh.shape]),
+            )
         if found is None:
             raise MeshError(
                 explain(
@@ -129,7 +148,10 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
         found = _groups.get((mesh, names))
         if found is None:
             tm = torch_mesh(mesh)
-            found = tm.get_group(names[0]) if len(names) == 1 else tm[names]._flatten().get_group()
+            if len(names) == 1:
+                found = tm.get_group(names[0])
+            else:
+                found = tm[names]._flatten(backend_override=_group_config()).get_group()
             _groups[(mesh, names)] = found
             if log.groups.isEnabledFor(logging.INFO):
                 log.groups.info(
@@ -142,6 +164,32 @@ def group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
         if not torch.compiler.is_compiling():
             _groups[(mesh, axes)] = found
     return found
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout of the default process group (which every mesh group shares)."""
+    if not _timeout:
+        try:
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            _timeout.append(backend.options._timeout)
+        except Exception:  # no CPU backend, or no options to read
+            _timeout.append(DEFAULT_TIMEOUT)
+    return _timeout[0]
+
+
+def _group_config():
+    """The backend and options of the groups a mesh makes: the default group's backend and its
+    timeout (torch would give new groups its own default timeout, 30 minutes: a dead rank of a
+    mesh axis would then hang the others for that long)."""
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return (None, None)
+    options._timeout = collective_timeout()
+    return (backend, options)
 
 
 def group_ids(mesh: DeviceMesh) -> tuple[int, ...]:
