@@ -144,7 +144,7 @@ def differing_replicas(local: torch.Tensor, layout: Layout) -> list[str]:
         low = kernels.all_reduce(local, mesh, (name,), "min")
         high = kernels.all_reduce(local, mesh, (name,), "max")
         differs.append(not (torch.equal(low, local) and torch.equal(high, local)))
-    flags = torch.tensor([float(d) for d in differs])
+    flags = torch.tensor([float(d) for d in differs], device=local.device)  # NCCL: on the device
     if names:
         flags = kernels.all_reduce(flags, mesh, mesh.axis_names, "max")
     return [n for n, flag in zip(names, flags.tolist()) if flag]
