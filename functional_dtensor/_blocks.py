@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -52,16 +53,17 @@ def _floating(x: torch.Tensor) -> bool:
     return x.is_floating_point() or x.is_complex()
 
 
-def reduce(x: torch.Tensor, op: str, dim: int, *, keepdim: bool = False) -> torch.Tensor:
-    """Reduce dim ``dim`` of ``x`` by ``op``: ``sum``, ``avg`` (rounded down for integer
-    dtypes), ``max`` or ``min``; the dtype is kept."""
+def reduce(x: torch.Tensor, op: str, dim: int | tuple[int, ...], *, keepdim: bool = False) -> torch.Tensor:
+    """Reduce dim ``dim`` (or dims) of ``x`` by ``op``: ``sum``, ``avg`` (rounded down for
+    integer dtypes), ``max`` or ``min``; the dtype is kept."""
     if op == "sum":
         return x.sum(dim, keepdim=keepdim, dtype=x.dtype)
     if op == "avg":
         if _floating(x):
             return x.mean(dim, keepdim=keepdim)
         total = x.sum(dim, keepdim=keepdim, dtype=x.dtype)
-        return total.div(x.shape[dim], rounding_mode="floor")
+        count = x.shape[dim] if isinstance(dim, int) else math.prod([x.shape[d] for d in dim])
+        return total.div(count, rounding_mode="floor")
     return x.amax(dim, keepdim=keepdim) if op == "max" else x.amin(dim, keepdim=keepdim)
 
 
