@@ -60,16 +60,17 @@ def _from_groups(y: torch.Tensor, mesh: DeviceMesh, order: tuple[int, ...]) -> t
 
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
-    """Reduced on the mesh grid over the axes' dims, then one copy to every device. The local
-    dims are taken in memory order and the result keeps ``x``'s (a transposed gradient is
-    reduced along its memory, not across it: ten times faster on a CPU)."""
-    local_order = sorted(range(1, x.dim()), key=lambda d: -x.stride(d))
-    in_memory_order = x.permute(0, *local_order)  # a view
+    """Reduced on the mesh grid over the axes' dims, then one copy to every device, in ``x``'s
+    memory order (a transposed gradient stays transposed: no transposing copy)."""
+    order = blocks.memory_order(x) or list(range(x.dim()))
+    if order[0] != 0:  # the device dim is not the outermost: the blocks are views of one tensor
+        order = [0, *[d for d in order if d != 0]]
+    in_memory_order = x.permute(order)  # a view
     grid = in_memory_order.reshape(*mesh.shape, *in_memory_order.shape[1:])
     dims = tuple(sorted([mesh.axis_position(a) for a in axes]))
     reduced = blocks.reduce(grid, op, dims, keepdim=True)
     out = reduced.expand(grid.shape).contiguous().view(in_memory_order.shape)
-    return out.permute(0, *sorted(range(1, x.dim()), key=[0, *local_order].__getitem__))
+    return out.permute(sorted(range(x.dim()), key=order.__getitem__))
 
 
 def all_gather(
