@@ -80,10 +80,10 @@ def all_gather(
     groups, order = _to_groups(x, mesh, axes)
     rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
     gathered = groups.movedim(1, 1 + dim)  # (rest, *local[:dim], size, *local[dim:])
+    gathered = gathered.unsqueeze(1).expand(rest, size, *gathered.shape[1:]).contiguous()  # one copy
     if tiled:
-        gathered = gathered.reshape(rest, *local[:dim], size * local[dim], *local[dim + 1 :])
-    gathered = gathered.unsqueeze(1).expand(rest, size, *gathered.shape[1:])
-    return _from_groups(gathered.contiguous(), mesh, order)
+        gathered = gathered.view(rest, size, *local[:dim], size * local[dim], *local[dim + 1 :])
+    return _from_groups(gathered, mesh, order)
 
 
 def reduce_scatter(
