@@ -350,6 +350,8 @@ def run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     backend = backend_of(mesh)
     names = step.names
     if isinstance(step, AllGather):
+        if len(step.axes) == 1:  # the blocks of one axis, concatenated along the dim it splits
+            return backend.all_gather(x, mesh, names, step.source.placements[step.axes[0]].dim, True)
         gathered = backend.all_gather(x, mesh, names, 0, False)  # (k, *local), k over names, major first
         return _merge_blocks(gathered, step, 1 if backend.stacked else 0)
     if isinstance(step, AllReduce):
