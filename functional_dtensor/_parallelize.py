@@ -520,7 +520,13 @@ def _on_axis(x, mesh: DeviceMesh, axis: str, placement: Placement | None, where:
                 fix="name a Shard or Replicate placement (a Partial output comes from the op itself)",
             )
         )
-    return redistribute(x, (*current[:index], placement, *current[index + 1 :]))
+    wanted = (*current[:index], placement, *current[index + 1 :])
+    if isinstance(current[index], Shard) and placement.is_replicate() and x.requires_grad:
+        # a sequence-parallel gather: varied over the axis (see ._varied), so that the
+        # gradients of its uses are summed on each device and reduce-scattered once, as
+        # Megatron's; a plain gather would sum each use's gradient in an all-reduce
+        return gather_varied(x, wanted, (axis,))
+    return redistribute(x, wanted)
 
 
 def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None:
