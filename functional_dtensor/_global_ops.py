@@ -448,8 +448,8 @@ def _varied_inputs(tensors: list[DTensor], decision: Decision) -> tuple[list[tor
     storages = []
     for (storage, axes), needed in zip(entries, decision.pvary):
         need = (set(needed) | out_varied) - axes
-        if need and storage.requires_grad:
-            storage = on_storage(storage, mesh, Pvary, tuple(n for n in mesh.axis_names if n in need))
+        if need and storage.requires_grad:  # once per value and axes: its uses' gradients summed first
+            storage = varied.pvaried(storage, mesh, tuple(n for n in mesh.axis_names if n in need))
         storages.append(storage)
     return storages, out_varied
 

@@ -24,13 +24,29 @@ import contextlib
 import torch
 
 from ._backend import backend_of
-from ._collectives import AllReduce, SplitCotangent, on_storage
+from ._collectives import AllReduce, Pvary, SplitCotangent, on_storage
 from ._mesh import DeviceMesh
 
-__all__ = ["TABLE", "axes_of", "mark", "scope", "invariant", "vary_all"]
+__all__ = ["TABLE", "PVARIED", "axes_of", "mark", "pvaried", "scope", "invariant", "vary_all"]
 
 #: id(storage) -> (storage, the axes it is varied over), while a forward runs
 TABLE: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+
+
+#: (id(storage), axes) -> (storage, its pvary over axes), while a forward runs: a value used by
+#: several ops is varied once, and the gradients of its uses summed on each device before one
+#: all-reduce (Megatron's "f": the input of q, k and v projections reduced once, not thrice)
+PVARIED: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def pvaried(storage: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
+    """``storage`` through ``pvary`` over ``axes``, once per forward."""
+    entry = PVARIED.get((id(storage), axes))
+    if entry is not None and entry[0] is storage:
+        return entry[1]
+    out = on_storage(storage, mesh, Pvary, axes)
+    PVARIED[id(storage), axes] = (storage, out)
+    return out
 
 
 def axes_of(storage: torch.Tensor) -> frozenset[str]:
@@ -47,12 +63,14 @@ def mark(storage: torch.Tensor, axes) -> torch.Tensor:
 @contextlib.contextmanager
 def scope():
     """The marks made inside are dropped at the end (those of an enclosing scope kept)."""
-    before = dict(TABLE)
+    before, pvaried_before = dict(TABLE), dict(PVARIED)
     try:
         yield
     finally:
         TABLE.clear()
         TABLE.update(before)
+        PVARIED.clear()
+        PVARIED.update(pvaried_before)
 
 
 def _ordered(mesh: DeviceMesh, axes) -> tuple[str, ...]:
