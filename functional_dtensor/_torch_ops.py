@@ -386,14 +386,19 @@ def _normalized(args, kwargs):
 
 
 def _normalization(*names: str):
-    """``layer_norm`` / ``rms_norm``: normalized without its affine weights, which are then
-    applied elementwise (each device's copy of a replicated weight takes its own gradient)."""
+    """``layer_norm`` / ``rms_norm``: on one rank's shard, the op itself; on stacked devices,
+    normalized without its affine weights, which are then applied elementwise in one kernel
+    (each device's copy of a replicated weight takes its own gradient)."""
 
     def local(func, args, kwargs, ctx):
         bound = dict(zip(("input", "normalized_shape", *names), args)) | kwargs
+        if not ctx.lead:
+            return func(**bound)
         affine = [bound.pop(name, None) for name in ("weight", "bias")]
         out = func(**bound)
         (weight, bias), _ = _align(affine, {}, ctx)
+        if weight is not None and bias is not None:
+            return torch.addcmul(bias, out, weight)
         out = out if weight is None else out * weight
         return out if bias is None else out + bias
 
