@@ -185,7 +185,10 @@ class Optimizer:
             for tensor, value, grad in zip(self._tensors, values, gradients):
                 # fresh memory every step: the values returned last time keep theirs
                 tensor.data = self._distinct(value).detach().clone()
-                tensor.grad = None if grad is None else self._distinct(grad).detach().to(tensor.dtype)
+                # contiguous like the parameter: the elementwise update reads both in one order
+                tensor.grad = (
+                    None if grad is None else self._distinct(grad).detach().to(tensor.dtype).contiguous()
+                )
             self.optimizer.step()
             out = []
             for tensor, value, (layout, shape, _) in zip(self._tensors, values, self._layouts):
