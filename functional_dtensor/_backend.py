@@ -96,16 +96,20 @@ class Backend:
             self.count("all_reduce", axes, x, mesh.axis_size(axes))
         return self._kernels.all_reduce(x, mesh, axes, op)
 
-    def all_gather(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+    def all_gather(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool, *, counted=True):
         if mesh.axis_size(axes) == 1:
             return x.clone() if tiled else x.unsqueeze(self._lead + dim).clone()
-        self.count("all_gather", axes, x, mesh.axis_size(axes))
+        if counted:
+            self.count("all_gather", axes, x, mesh.axis_size(axes))
         return self._kernels.all_gather(x, mesh, axes, dim, tiled)
 
-    def reduce_scatter(self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool):
+    def reduce_scatter(
+        self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool, *, counted=True
+    ):
         if mesh.axis_size(axes) == 1:
             return x.clone() if tiled else x.squeeze(self._lead + dim).clone()
-        self.count("reduce_scatter", axes, x, mesh.axis_size(axes))
+        if counted:
+            self.count("reduce_scatter", axes, x, mesh.axis_size(axes))
         return self._kernels.reduce_scatter(x, mesh, axes, dim, tiled)
 
     def all_to_all(self, x, mesh: DeviceMesh, axes: tuple[str, ...], split: int, concat: int, tiled: bool):

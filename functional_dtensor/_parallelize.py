@@ -580,18 +580,40 @@ def _output_hook(mesh, axis, wanted, where):
 
 def _gather_hook(names, places, axis):
     """Before a FullyShard module's forward: its parameters, gathered over the data axis,
-    replace the sharded ones for this call (their gradients flow back to the shards)."""
+    replace the sharded ones for this call (their gradients flow back to the shards). Those
+    whose blocks have one shape on every device go in one all-gather (their gradients in one
+    reduce-scatter), the others one by one."""
 
     def hook(module, inputs):
+        values = {}
         for name in names:
             sub, attr = places[name][0]
             value = sub._parameters[attr]
             if isinstance(value, DTensor):
-                gathered = gather_varied(value, _gathered(value.layout), (axis,))
-                for sub, attr in places[name]:
-                    sub._parameters[attr] = gathered
+                values[name] = value
+        even = [n for n, v in values.items() if _even_on_dim0(v)]
+        if even:
+            mesh = values[even[0]].device_mesh
+            storages = varied.gather_unit([storage_of(values[n]) for n in even], mesh, axis)
+            gathered = {
+                n: new_value(s, _gathered(values[n].layout), values[n].shape) for n, s in zip(even, storages)
+            }
+        else:
+            gathered = {}
+        for name, value in values.items():
+            if name not in gathered:
+                gathered[name] = gather_varied(value, _gathered(value.layout), (axis,))
+            for sub, attr in places[name]:
+                sub._parameters[attr] = gathered[name]
 
     return hook
+
+
+def _even_on_dim0(value: DTensor) -> bool:
+    """Whether every device's block of ``value`` has the same length along dim 0."""
+    first = value.layout.spec[0]
+    names = (first,) if isinstance(first, str) else tuple(first)
+    return value.shape[0] % value.device_mesh.axis_size(names) == 0
 
 
 def _gathered(layout: Layout) -> Layout:

@@ -194,8 +194,11 @@ class _Redistribute(torch.autograd.Function):
         source, target, steps = ctx.back  # the cotangent moves to the source (Partial as Replicate)
         if source == target:
             return g, None, None, None, None, None
-        # its own backward: the cotangent moves back the way the forward went, Partial as Replicate
-        again = (target, source, _steps(target, source, ctx.shape, g, True))
+        # its own backward: the cotangent moves back the way the forward went, Partial as
+        # Replicate (a part's cotangent is the whole cotangent: gather_varied's gradient, a
+        # reduce-scatter of parts, transposes to an all-gather, not to a split into parts)
+        back_to = without_partial(source)
+        again = (target, back_to, _steps(target, back_to, ctx.shape, g, True))
         return (
             autograd.apply(_Redistribute, g, source, target, ctx.shape, steps, again),
             None,

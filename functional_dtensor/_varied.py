@@ -117,7 +117,7 @@ class _VaryAll(torch.autograd.Function):
         for indices in by_dtype.values():
             parts = [grads[i] for i in indices]
             flat = torch.cat([g.reshape(*g.shape[:lead], -1) for g in parts], dim=lead)
-            summed = on_storage(flat, ctx.mesh, AllReduce, ctx.axes, op="sum")
+            summed = on_storage(flat, ctx.mesh, AllReduce, ctx.axes, op="sum", transpose_psum=True)
             sizes = [g[(0,) * lead].numel() if lead else g.numel() for g in parts]
             for i, piece, g in zip(indices, summed.split(sizes, dim=lead), parts):
                 out[i] = piece.reshape(g.shape)
@@ -136,3 +136,90 @@ def vary_all(storages: list[torch.Tensor], mesh: DeviceMesh, axes) -> list[torch
     for i, s in zip(needing, varied):
         out[i] = mark(s, axes)
     return out
+
+
+# --- a fully-sharded unit's parameters, gathered together -------------------------------------
+
+
+def gather_unit(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
+    """Each storage (dim 0 split over ``axis`` as its innermost axis, into blocks of one shape)
+    gathered along dim 0 over ``axis`` and varied over it, FSDP's way: one all-gather of their
+    concatenation per dtype, and their gradients reduce-scattered back in one collective. The
+    two are each other's transpose, to any order."""
+    if mesh.axis_size((axis,)) == 1 or not storages:
+        return storages
+    gathered = _GatherUnit.apply(mesh, axis, *storages)
+    return [mark(g, {axis, *axes_of(s)}) for g, s in zip(gathered, storages)]
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
+    backend, size = backend_of(mesh), mesh.axis_size((axis,))
+    if backend.stacked:  # one process: each where it lies, recorded as the ranks' one collective
+        nbytes = sum([s[0].numel() * s.element_size() for s in storages])
+        backend.count_bytes("all_gather", (axis,), nbytes, size)
+        return [backend.all_gather(s, mesh, (axis,), 0, True, counted=False) for s in storages]
+    out: list[torch.Tensor] = list(storages)
+    for group in _by_dtype(storages):
+        flat = torch.cat([storages[i].reshape(-1) for i in group])
+        blocks = backend.all_gather(flat, mesh, (axis,), 0, False)  # (size, n): each rank's
+        start = 0
+        for i in group:
+            s = storages[i]
+            part = blocks[:, start : start + s.numel()].reshape(size, *s.shape)
+            out[i] = part.reshape(size * s.shape[0], *s.shape[1:])
+            start += s.numel()
+    return out
+
+
+def _scattered(grads: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
+    backend, size = backend_of(mesh), mesh.axis_size((axis,))
+    if backend.stacked:
+        nbytes = sum([g[0].numel() * g.element_size() for g in grads])
+        backend.count_bytes("reduce_scatter", (axis,), nbytes, size)
+        return [backend.reduce_scatter(g, mesh, (axis,), 0, True, counted=False) for g in grads]
+    out: list[torch.Tensor] = list(grads)
+    for group in _by_dtype(grads):
+        flat = torch.cat([grads[i].reshape(size, -1) for i in group], dim=1)  # (size, n): rank r's
+        summed = backend.reduce_scatter(flat, mesh, (axis,), 0, False)  # this rank's (n,)
+        start = 0
+        for i in group:
+            g = grads[i]
+            n = g.numel() // size
+            out[i] = summed[start : start + n].reshape(g.shape[0] // size, *g.shape[1:])
+            start += n
+    return out
+
+
+class _GatherUnit(torch.autograd.Function):
+    @staticmethod
+    def forward(mesh, axis, *storages):
+        return tuple(_gathered(list(storages), mesh, axis))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.axis = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_ScatterUnit.apply(ctx.mesh, ctx.axis, *grads))
+
+
+class _ScatterUnit(torch.autograd.Function):
+    @staticmethod
+    def forward(mesh, axis, *grads):
+        return tuple(_scattered(list(grads), mesh, axis))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.axis = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_GatherUnit.apply(ctx.mesh, ctx.axis, *grads))

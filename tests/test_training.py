@@ -471,5 +471,89 @@ def test_data_parallel_gradients_are_reduced_once(style):
     if style == "replicate":  # every parameter's dp sum in one all-reduce
         dp_reductions = [e for e in comm.events if e.op == "all_reduce" and e.axes == ("dp",)]
         assert len(dp_reductions) == 1, comm.events
-    else:  # each gathered parameter's gradient reduce-scattered into its shards
-        assert backward.get("reduce_scatter", 0) == 2, backward  # weight and bias (the scale is 0-d)
+    else:  # the gathered parameters' gradients reduce-scattered into their shards together
+        assert backward.get("reduce_scatter", 0) == 1, backward  # weight and bias (the scale is 0-d)
+        assert forward.get("all_gather", 0) == 1, forward
+
+
+@pytest.mark.meshes((2, 2))
+def test_a_fully_sharded_unit_gathers_its_parameters_in_one_collective(backend, mesh):
+    """Parameters of one FullyShard unit: those of even blocks in one all-gather of their
+    concatenation (mixed dtypes: one per dtype) and one reduce-scatter of their gradients, an
+    uneven one on its own; values, gradients and second derivatives equal one device's."""
+    backend.run(_job_fully_sharded_unit, (2, 2), ("dp", "tp"))
+
+
+class _Unit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)  # weight rows 6 over (tp, dp): even; bias 6: even
+        self.b = nn.Linear(6, 5)  # rows 5: uneven over dp
+        self.c = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).sum(-1, keepdim=True) * (self.c.float().sum() + x[..., :1])
+
+
+def _job_fully_sharded_unit(mesh):
+    torch.manual_seed(0)
+    model = _Unit()
+    sharded = fd.parallelize_module(model, mesh, {"": fd.FullyShard("dp"), "a": fd.ColwiseParallel()})
+    x = torch.randn(8, 4)
+    params = sharded.params
+    with fd.CommDebugMode() as comm:
+        y = sharded.apply(params, fd.distribute_tensor(x, mesh, fd.P("dp")))
+        forward = dict(comm.get_comm_counts())
+        grads = torch.autograd.grad(y.sum(), list(params.values()), create_graph=True)
+    gathers = [e for e in comm.events if e.op == "all_gather" and e.axes == ("dp",) and e.phase == "forward"]
+    scatters = [e for e in comm.events if e.op == "reduce_scatter" and e.axes == ("dp",)]
+    assert len(gathers) == 3, gathers  # float32 bucket, float64 bucket, the uneven b.weight
+    assert len(scatters) == 3, scatters
+    assert forward.get("all_gather", 0) >= 3
+    expected_y = model(x)
+    leaves = dict(model.named_parameters())
+    expected = torch.autograd.grad(expected_y.sum(), [leaves[n] for n in params], create_graph=True)
+    torch.testing.assert_close(y.full_tensor(), expected_y, rtol=1e-5, atol=1e-5)
+    for name, g, e in zip(params, grads, expected, strict=True):
+        torch.testing.assert_close(g.full_tensor(), e, rtol=1e-5, atol=1e-5, msg=name)
+    # second order: the gradient of the squared gradient norm of a.weight with respect to c
+    index = list(params).index("a.weight")
+    (second,) = torch.autograd.grad((grads[index] * grads[index]).sum(), [params["c"]])
+    (expected_second,) = torch.autograd.grad((expected[index] * expected[index]).sum(), [leaves["c"]])
+    torch.testing.assert_close(second.full_tensor(), expected_second, rtol=1e-5, atol=1e-5)
+
+
+SECOND_ORDER_PLANS = {
+    "replicate": {"": fd.ReplicateParallel("dp")},
+    "fully_shard": {"": fd.FullyShard("dp")},
+    "fully_shard+colwise": {"": fd.FullyShard("dp"), "a": fd.ColwiseParallel()},
+}
+
+
+@pytest.mark.meshes((2, 2))
+@pytest.mark.parametrize("plan", list(SECOND_ORDER_PLANS))
+def test_second_derivatives_through_data_parallel_parameters(backend, mesh, plan):
+    """The gradient of a gradient's squared norm, through parameters varied over dp (summed
+    in one all-reduce, or gathered and reduce-scattered), equals one device's: the transposes
+    of those collectives are all-gathers and broadcasts, not splits into parts."""
+    backend.run(_job_second_order, (2, 2), ("dp", "tp"), plan)
+
+
+def _job_second_order(mesh, plan):
+    torch.manual_seed(0)
+    model = _Unit()
+    sharded = fd.parallelize_module(model, mesh, SECOND_ORDER_PLANS[plan])
+    x = torch.randn(8, 4)
+    params = sharded.params
+    y = sharded.apply(params, fd.distribute_tensor(x, mesh, fd.P("dp")))
+    grads = dict(zip(params, torch.autograd.grad(y.sum(), list(params.values()), create_graph=True)))
+    leaves = dict(model.named_parameters())
+    expected = dict(
+        zip(leaves, torch.autograd.grad(model(x).sum(), list(leaves.values()), create_graph=True))
+    )
+    for name in ("a.weight", "b.weight"):  # b.weight: rows uneven over dp
+        (got,) = torch.autograd.grad((grads[name] * grads[name]).sum(), [params["c"]], retain_graph=True)
+        (want,) = torch.autograd.grad(
+            (expected[name] * expected[name]).sum(), [leaves["c"]], retain_graph=True
+        )
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-5, msg=name)
