@@ -427,8 +427,19 @@ def _attention_rule(call):
     return options
 
 
+def _attention_local(func, args, kwargs, ctx):
+    """On stacked devices, the device dim folded into the batch dim: torch's fused CPU kernels
+    take 4-d inputs, and a 5-d call falls back to the unfused math."""
+    if ctx.lead and len(args) == 3 and not isinstance(kwargs.get("attn_mask"), torch.Tensor):
+        q, k, v = args
+        if q.dim() == 5 and q.shape[:2] == k.shape[:2] == v.shape[:2]:
+            return func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), **kwargs).unflatten(0, q.shape[:2])
+    return func(*args, **kwargs)
+
+
 register(
-    [F.scaled_dot_product_attention], Handler(_attention_rule, _none, _plain, "scaled_dot_product_attention")
+    [F.scaled_dot_product_attention],
+    Handler(_attention_rule, _none, _attention_local, "scaled_dot_product_attention"),
 )
 
 
