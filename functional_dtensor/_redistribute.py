@@ -28,7 +28,7 @@ from . import _log as log
 from . import _varied as varied
 from ._backend import backend_of
 from ._cache import cached
-from ._dtensor import DTensor, layout_for, storage_of, without_partial
+from ._dtensor import DTensor, check_partial_dtype, layout_for, storage_of, without_partial
 from ._errors import InputTypeError, MeshError, explain
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
@@ -72,6 +72,8 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
     target = layout_for(x.device_mesh, placements, x.ndim, "fd.redistribute")
     if target == x.layout:
         return x
+    if target.has_partial:
+        check_partial_dtype(target, x.dtype, "fd.redistribute(placements)")
     storage = storage_of(x)
     axes = varied.axes_of(storage) if varied.TABLE else frozenset()
     if not axes:

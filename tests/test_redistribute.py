@@ -22,7 +22,7 @@ from backends import (
     relayout,
     spec_of_shards,
 )
-from common import even_pairs
+from common import check, even_pairs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -498,3 +498,21 @@ def test_partial_source_gets_a_replicate_gradient():
 def test_not_a_dtensor():
     with pytest.raises(fd.InputTypeError, match="fd.distribute_tensor"):
         fd.redistribute(torch.ones(2), fd.P())
+
+
+@pytest.mark.parametrize(
+    "dtype, op", [(torch.complex64, "max"), (torch.complex128, "min"), (torch.bool, "avg")]
+)
+def test_a_partial_reduction_the_dtype_lacks_is_the_librarys_error(dtype, op):
+    """Regression (fuzz): complex Partial('max') failed in torch's amax at full_tensor, and a
+    bool Partial('avg') came back as int64 zeros; both are refused where the layout is given."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = torch.ones(4, 3, dtype=dtype)
+    layout = [fd.Partial(op), fd.Shard(1)]
+    check(fd.LayoutError, ValueError, lambda: fd.distribute_tensor(x, mesh, layout), "distribute_tensor")
+    check(fd.LayoutError, ValueError, lambda: fd.from_local(x, mesh, layout), "from_local", str(dtype))
+    d = fd.distribute_tensor(x, mesh, fd.P("x"))
+    check(fd.LayoutError, ValueError, lambda: fd.redistribute(d, layout), "fd.redistribute", "Fix:")
+    check(fd.LayoutError, ValueError, lambda: d.redistribute(mesh, layout), f"Partial('{op}')")
+    ok = fd.distribute_tensor(x, mesh, [fd.Partial("sum"), fd.Shard(1)])  # sum is defined on both
+    assert ok.dtype == dtype and torch.equal(ok.redistribute(mesh, fd.P()).full_tensor(), x)
