@@ -299,6 +299,9 @@ def _along_max(kind):
         (dims,) = ctx.decision.call.params[:1]
         ndim = len(ctx.decision.call.shapes[0])
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        if not ndim:  # a 0-d value: its one element along a dim of its own (not the device dim)
+            values, indices = getattr(torch, kind)(args[0].unsqueeze(-1), -1)
+            return values, indices
         return getattr(torch, kind)(args[0], dims[0] - ndim, keepdim=keepdim)
 
     return local
@@ -317,7 +320,7 @@ def _dim_param(position: int, name: str = "dim"):
                     fix=f"pass {name} explicitly",
                 )
             )
-        return ((dim % tensors[0].ndim,),)
+        return ((dim % max(tensors[0].ndim, 1),),)  # a 0-d value takes dim 0 or -1, as in torch
 
     return params
 
@@ -363,6 +366,11 @@ register([torch.norm, torch.Tensor.norm], Handler(None, _none, _norm, "norm"))
 def _negative_dim_local(func, args, kwargs, ctx):
     (dims,) = ctx.decision.call.params[:1]
     dim = dims[0] - len(ctx.decision.call.shapes[0])
+    if not ctx.decision.call.shapes[0]:  # a 0-d value: along a dim of its own, not the device dim
+        args, kwargs = (args[0].unsqueeze(-1), *args[1:]), kwargs
+        if "dim" in kwargs:
+            return func(*args, **{**kwargs, "dim": -1}).squeeze(-1)
+        return func(args[0], -1, *args[2:], **kwargs).squeeze(-1)
     if "dim" in kwargs:
         return func(args[0], *args[1:], **{**kwargs, "dim": dim})
     return func(args[0], dim, *args[2:], **kwargs)
@@ -611,21 +619,26 @@ register([torch.stack], Handler(rules.concatenation, _cat_params(True), _cat_loc
 
 
 def _split(func, args, kwargs, ctx):
+    """``split``/``chunk`` as slices of the global value, the sizes as torch gives them on a
+    plain tensor of the global shape (which also checks the arguments)."""
     x = args[0]
-    size = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("chunks"))
+    try:
+        pieces = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        raise ShapeError(
+            explain(
+                f"torch.{getattr(func, '__name__', 'split')}",
+                "the op does not take these arguments (as on one device)",
+                expected="the shapes and arguments the op takes on plain tensors",
+                got=f"{tuple(x.shape)}: {str(error).splitlines()[0]}",
+                fix="check the call on a plain tensor of this global shape first",
+            )
+        ) from None
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
-    length = x.shape[dim]
-    if getattr(func, "__name__", "") == "chunk":
-        step = -(-length // size)
-        sizes = [min(step, length - s) for s in range(0, length, step)]
-    elif isinstance(size, int):
-        sizes = [min(size, length - s) for s in range(0, length, size)]
-    else:
-        sizes = list(size)
     out, start = [], 0
-    for n in sizes:
-        index = (slice(None),) * dim + (slice(start, start + n),)
-        out.append(x[index])
+    for piece in pieces:
+        n = piece.shape[dim]
+        out.append(x[(slice(None),) * dim + (slice(start, start + n),)])
         start += n
     return tuple(out)
 

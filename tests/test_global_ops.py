@@ -695,3 +695,26 @@ def test_an_op_keeps_the_split_order_of_its_input():
     close((a + b).full_tensor(), x + y)
     close((b * a).full_tensor(), y * x)
     close(torch.einsum("ij,ij->i", a, b).full_tensor(), (x * y).sum(1))
+
+
+def test_ops_along_a_dim_of_a_zero_d_value_and_split_checks():
+    """Regression (fuzz): softmax/cumsum/max along dim 0 or -1 of a 0-d value (as torch allows)
+    divided by zero; split of a 0-d value and chunk(0) raised ZeroDivisionError, not the
+    library's error."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = torch.tensor(1.5, dtype=torch.float64)
+    d = fd.distribute_tensor(x, mesh, fd.P())
+    for program in (
+        lambda v: F.softmax(v, 0),
+        lambda v: torch.log_softmax(v, dim=-1),
+        lambda v: torch.cumsum(v, -1),
+    ):
+        close(program(d).full_tensor(), program(x))
+    values_, indices = torch.max(d, 0)
+    close(values_.full_tensor(), x)
+    assert torch.equal(indices.full_tensor(), torch.max(x, 0).indices)
+    check(fd.ShapeError, ValueError, lambda: torch.split(d, 1, 0), "torch.split", "1-dimensional")
+    row = fd.distribute_tensor(torch.arange(10.0), mesh, fd.P("x"))
+    check(fd.ShapeError, ValueError, lambda: torch.chunk(row, 0), "torch.chunk")
+    for got, want in zip(torch.chunk(row, 4), torch.chunk(torch.arange(10.0), 4), strict=True):
+        close(got.full_tensor(), want)
