@@ -162,6 +162,16 @@ def _matmul_params(args, kwargs, tensors):
                     fix="unsqueeze a vector first: (v.unsqueeze(0) @ w).squeeze(0)",
                 )
             )
+    if len(tensors) == 2 and tensors[0].dtype != tensors[1].dtype:
+        raise InputTypeError(
+            explain(
+                "torch.matmul",
+                "a matmul takes operands of one dtype (as on one device)",
+                expected="two fd.DTensor of one dtype",
+                got=f"{tensors[0].dtype} and {tensors[1].dtype}",
+                fix=f"convert one first: b.to({tensors[0].dtype})",
+            )
+        )
     if len(tensors) != 2:
         raise InputTypeError(
             explain(
@@ -441,6 +451,8 @@ register(
 def _permutation_of(name: str):
     def params(args, kwargs, tensors):
         ndim = tensors[0].ndim
+        if ndim == 0:  # torch takes dims 0 and -1 of a 0-d value: nothing to permute
+            return ((),)
         if name == "t":
             return (tuple(range(ndim))[::-1],)
         if name == "transpose":
@@ -852,6 +864,7 @@ def install() -> None:
             else dispatch(torch.Tensor.permute, (self, tuple(range(self.ndim))[::-1]), {})
         )
     )
+    DTensor.mT = property(lambda self: dispatch(torch.Tensor.transpose, (self, -2, -1), {}))
     DTensor.numel = lambda self: math.prod(self.shape)
     DTensor.dim = lambda self: len(self.shape)
     DTensor.ndimension = DTensor.dim

@@ -718,3 +718,20 @@ def test_ops_along_a_dim_of_a_zero_d_value_and_split_checks():
     check(fd.ShapeError, ValueError, lambda: torch.chunk(row, 0), "torch.chunk")
     for got, want in zip(torch.chunk(row, 4), torch.chunk(torch.arange(10.0), 4), strict=True):
         close(got.full_tensor(), want)
+
+
+def test_matmul_of_two_dtypes_transposes_of_a_zero_d_value_and_mT():
+    """Regression (fuzz): a matmul of float32 by float16 ran (meta kernels do not check dtypes)
+    or failed in torch; transpose/t of a 0-d value divided by zero; ``x.mT`` was missing."""
+    mesh = fd.simulated_mesh(2, "x")
+    a = fd.distribute_tensor(torch.ones(2, 3), mesh, fd.P())
+    b = fd.distribute_tensor(torch.ones(3, 2, dtype=torch.float16), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: a @ b, "torch.matmul", "float16")
+    scalar = fd.distribute_tensor(torch.tensor(2.0), mesh, fd.P())
+    for program in (lambda v: v.transpose(0, -1), lambda v: v.t(), lambda v: v.T):
+        close(program(scalar).full_tensor(), torch.tensor(2.0))
+    x = values((4, 3), 1)
+    d = fd.distribute_tensor(x, mesh, fd.P("x"))
+    assert d.mT.placements == (S(1),)
+    close(d.mT.full_tensor(), x.mT)
+    check(fd.ShapeError, ValueError, lambda: scalar.mT, "torch.transpose")
