@@ -735,3 +735,16 @@ def test_matmul_of_two_dtypes_transposes_of_a_zero_d_value_and_mT():
     assert d.mT.placements == (S(1),)
     close(d.mT.full_tensor(), x.mT)
     check(fd.ShapeError, ValueError, lambda: scalar.mT, "torch.transpose")
+
+
+def test_an_op_that_fails_on_the_shards_is_the_librarys_error():
+    """Regression (fuzz): abs of a bool value (meta kernels do not check the dtype), and an
+    integer remainder by zero, raised torch's own errors from the shards."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    flags = fd.distribute_tensor(torch.tensor([True, False, True]), mesh, fd.P("x"))
+    check(fd.InputTypeError, TypeError, lambda: torch.abs(flags), "torch.abs", "Bool", "Fix:")
+    check(fd.InputTypeError, TypeError, lambda: flags.abs(), "torch.abs")
+    ints = fd.distribute_tensor(torch.tensor([2, 3]), mesh, fd.P())
+    with pytest.raises(fd.InputTypeError) as info:
+        torch.remainder(ints, fd.distribute_tensor(torch.tensor([0, 1]), mesh, fd.P("y")))
+    assert isinstance(info.value.__cause__, RuntimeError)  # torch's error, chained
