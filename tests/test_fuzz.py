@@ -22,10 +22,12 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import pytest
 import torch
 import torch.nn.functional as F
+from backends import per_device
 from catalogue import cases, mapped
-from hypothesis import event, given
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
@@ -674,3 +676,49 @@ def test_fuzz_programs(mesh, shape, dtype, recipe, program, seed):
         g = torch.zeros_like(x) if g is None else g
         w = torch.zeros_like(x) if w is None else w
         assert_matches(g, w, f"{what}: gradient", scale=scale)
+
+
+# --- a slice on gloo ranks ---------------------------------------------------------------------------
+
+
+def job_program(mesh, program, shape, dtype_name: str, recipe, seed: int) -> dict:
+    """A drawn program on ``mesh`` (either backend): the output's shards and global value, or
+    the library error's type."""
+    x = value_of(shape, getattr(torch, dtype_name), seed)
+    try:
+        out = interpret(program, fd.distribute_tensor(x, mesh, from_recipe(mesh, recipe, x.dim())), mesh)
+    except LIBRARY_ERROR as error:
+        return {"error": type(error).__name__}
+    return {"error": None, "shards": list(out.local_shards()), "full": out.full_tensor()}
+
+
+@pytest.mark.meshes((2,), (2, 2))
+def test_fuzz_programs_on_gloo(backend, mesh):
+    """A few drawn programs on gloo ranks: the simulated backend's shards, global value, or
+    error."""
+    if backend.is_simulated:
+        pytest.skip("the simulated backend is the reference here")
+
+    @settings(max_examples=4, deadline=None)
+    @given(
+        shape=shapes(min_dims=1, max_dims=3, max_side=6, max_elements=96),
+        dtype=st.sampled_from(("float64", "float32", "int64")),
+        recipe=recipes(),
+        program=st.lists(steps, min_size=1, max_size=3),
+        seed=st.integers(0, 2**16),
+    )
+    def check_program(shape, dtype, recipe, program, seed):
+        args = (program, shape, dtype, recipe, seed)
+        expected = job_program(mesh.simulated(), *args)
+        results = backend.run(job_program, mesh.shape, mesh.names, *args)
+        for result in results:
+            assert result["error"] == expected["error"], (program, result["error"], expected["error"])
+        if expected["error"] is None:
+            for got, want in zip(per_device(results, "shards"), expected["shards"], strict=True):
+                assert_matches(got, want, f"{program}: a shard", scale=float(math.prod(shape)) ** 2)
+            for result in results:
+                assert_matches(
+                    result["full"], expected["full"], f"{program}", scale=float(math.prod(shape)) ** 2
+                )
+
+    check_program()
