@@ -74,8 +74,38 @@ _BINARY = (
 
 for _name in _UNARY + _BINARY:
     register(_functions(_name), Handler(rules.elementwise, _none, _elementwise_local, _name, False))
-for _name in ("add", "sub", "subtract", "neg", "negative"):
+for _name in ("neg", "negative"):
     register(_functions(_name), Handler(rules.linear, _none, _elementwise_local, _name, False))
+
+
+def _operands(args, kwargs) -> list:
+    return [*args[:2], *[kwargs[k] for k in ("input", "other") if k in kwargs]]
+
+
+def _constant_operand(args, kwargs, tensors):
+    """Whether a number or a plain tensor is an operand (``x + 1``): a constant added on every
+    device's part of a Partial(sum) value would be counted once per device."""
+    return (any(not isinstance(v, DTensor) for v in _operands(args, kwargs)),)
+
+
+def _sum(call):
+    """``a + b``, ``a - b``: linear in the fd.DTensor operands together, affine with a constant."""
+    (constant,) = call.params
+    return rules.elementwise(call) if constant else rules.linear(call)
+
+
+for _name in ("add", "sub", "subtract"):
+    register(_functions(_name), Handler(_sum, _constant_operand, _elementwise_local, _name, False))
+
+
+def _numerator_first(args, kwargs, tensors):
+    return (isinstance(_operands(args, kwargs)[0], DTensor),)
+
+
+def _quotient(call):
+    """``a / b``: Partial(sum) passes through the numerator alone (``2 / x`` is not linear)."""
+    (numerator,) = call.params
+    return rules.elementwise(call, partial=(0,) if numerator else ())
 
 
 def _product(call):
@@ -92,7 +122,7 @@ for _name in ("mul", "multiply"):
 for _name in ("div", "divide", "true_divide"):
     register(
         _functions(_name),
-        Handler(lambda call: rules.elementwise(call, partial=(0,)), _none, _elementwise_local, _name, False),
+        Handler(_quotient, _numerator_first, _elementwise_local, _name, False),
     )
 
 

@@ -748,3 +748,30 @@ def test_an_op_that_fails_on_the_shards_is_the_librarys_error():
     with pytest.raises(fd.InputTypeError) as info:
         torch.remainder(ints, fd.distribute_tensor(torch.tensor([0, 1]), mesh, fd.P("y")))
     assert isinstance(info.value.__cause__, RuntimeError)  # torch's error, chained
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        lambda v: v - 0.25,
+        lambda v: v + 1,
+        lambda v: 1 - v,
+        lambda v: v + torch.tensor(1.0, dtype=torch.float64),
+        lambda v: torch.sub(v, other=1.0),
+        lambda v: 2 / v,
+        lambda v: torch.div(2, v),
+    ],
+)
+def test_a_constant_does_not_pass_through_partial_sums(program):
+    """Regression (fuzz): ``x + c`` and ``c / x`` with x Partial(sum) kept the Partial layout,
+    so every device's part took the constant (a silent wrong answer: ``c`` counted once per
+    device). Where the op is linear (``x * c``, ``x / c``, ``x + y``) the layout stays Partial."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = values((3, 4), 1)
+    p = fd.distribute_tensor(x, mesh, [fd.Partial("sum"), S(1)])
+    out = program(p)
+    assert not out.layout.has_partial
+    close(out.full_tensor(), program(x))
+    for linear in (lambda v: v * 2, lambda v: v / 2, lambda v: v + v, lambda v: torch.add(v, v, alpha=2)):
+        assert linear(p).placements == p.placements
+        close(linear(p).full_tensor(), linear(x))
