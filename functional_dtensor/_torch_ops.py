@@ -379,8 +379,27 @@ for _kind in ("max", "min"):
     register(_functions(_kind), Handler(None, _none, _max_min(_kind), _kind))
 
 
+def _on_meta(func, args, kwargs):
+    """``func`` of a composite on a meta tensor of its first argument's global shape and dtype:
+    the output torch gives, and torch's argument and dtype checks as the library's error."""
+    x = args[0]
+    try:
+        return func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        raise ShapeError(
+            explain(
+                f"torch.{getattr(func, '__name__', 'op')}",
+                "the op does not take these arguments (as on one device)",
+                expected="the shapes, dtypes and arguments the op takes on plain tensors",
+                got=f"{tuple(x.shape)} {x.dtype}: {str(error).splitlines()[0]}",
+                fix="check the call on a plain tensor of this global shape first",
+            )
+        ) from None
+
+
 def _norm(func, args, kwargs, ctx):
     x = args[0]
+    _on_meta(func, args, kwargs)
     p = args[1] if len(args) > 1 else kwargs.get("p", 2)
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
@@ -664,18 +683,7 @@ def _split(func, args, kwargs, ctx):
     """``split``/``chunk`` as slices of the global value, the sizes as torch gives them on a
     plain tensor of the global shape (which also checks the arguments)."""
     x = args[0]
-    try:
-        pieces = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
-    except (RuntimeError, TypeError, ValueError, IndexError) as error:
-        raise ShapeError(
-            explain(
-                f"torch.{getattr(func, '__name__', 'split')}",
-                "the op does not take these arguments (as on one device)",
-                expected="the shapes and arguments the op takes on plain tensors",
-                got=f"{tuple(x.shape)}: {str(error).splitlines()[0]}",
-                fix="check the call on a plain tensor of this global shape first",
-            )
-        ) from None
+    pieces = _on_meta(func, args, kwargs)
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
     out, start = [], 0
     for piece in pieces:

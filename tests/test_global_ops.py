@@ -775,3 +775,12 @@ def test_a_constant_does_not_pass_through_partial_sums(program):
     for linear in (lambda v: v * 2, lambda v: v / 2, lambda v: v + v, lambda v: torch.add(v, v, alpha=2)):
         assert linear(p).placements == p.placements
         close(linear(p).full_tensor(), linear(x))
+
+
+def test_norm_of_an_integer_value_is_refused_as_torch_does():
+    """Regression (fuzz): the norm of an int64 value returned a number where torch refuses."""
+    mesh = fd.simulated_mesh(2, "x")
+    d = fd.distribute_tensor(torch.arange(4), mesh, fd.P("x"))
+    check(fd.ShapeError, ValueError, lambda: d.norm(), "torch.norm", "torch.int64")
+    x = values((4, 3), 1)
+    close(torch.norm(fd.distribute_tensor(x, mesh, fd.P("x")), dim=0).full_tensor(), torch.norm(x, dim=0))
