@@ -244,9 +244,9 @@ register([torch.addmm, torch.Tensor.addmm], Handler(None, _none, _addmm, "addmm"
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
-    if dim is None:
+    dims = (dim,) if isinstance(dim, int) else None if dim is None else tuple(dim)
+    if not dims:  # None, and an empty dim list, reduce every dim (as torch)
         return tuple(range(ndim))
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
     return tuple(sorted({d % max(ndim, 1) for d in dims})) if ndim else ()
 
 

@@ -784,3 +784,19 @@ def test_norm_of_an_integer_value_is_refused_as_torch_does():
     check(fd.ShapeError, ValueError, lambda: d.norm(), "torch.norm", "torch.int64")
     x = values((4, 3), 1)
     close(torch.norm(fd.distribute_tensor(x, mesh, fd.P("x")), dim=0).full_tensor(), torch.norm(x, dim=0))
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "amax", "amin"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_an_empty_dim_list_reduces_every_dim(kind, keepdim):
+    """Regression (fuzz): ``x.sum(dim=())`` reduces every dim in torch; on a sharded value it
+    reduced none (a wrong value and shape), or failed in a reshape on the shards."""
+    mesh = fd.simulated_mesh(4, "x")
+    x = values((2, 3), 1)
+    for spec in (fd.P("x"), fd.P(), fd.P(None, "x")):
+        d = fd.distribute_tensor(x, mesh, spec)
+        for dim in ((), []):
+            out = getattr(torch, kind)(d, dim=dim, keepdim=keepdim)
+            close(out.full_tensor(), getattr(torch, kind)(x, dim=dim, keepdim=keepdim))
+    empty = fd.distribute_tensor(torch.zeros(0, dtype=torch.float64), mesh, fd.P("x"))
+    close(torch.sum(empty, dim=()).full_tensor(), torch.zeros((), dtype=torch.float64))
