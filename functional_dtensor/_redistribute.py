@@ -348,6 +348,16 @@ def _log_plan(key: tuple, steps: tuple[Step, ...], gradient: bool) -> None:
 
 def run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Run one planned step on a storage (stacked shards, or this rank's shard)."""
+    if getattr(step, "op", None) == "avg" and x.dtype in _NARROW_INTEGERS:
+        # an integer average is summed in int64: a narrow dtype would wrap in the sum
+        return _run(step, x.to(torch.int64), shape).to(x.dtype)
+    return _run(step, x, shape)
+
+
+_NARROW_INTEGERS = frozenset([torch.int8, torch.uint8, torch.int16, torch.int32, torch.uint16, torch.uint32])
+
+
+def _run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     mesh = step.source.mesh
     backend = backend_of(mesh)
     names = step.names
