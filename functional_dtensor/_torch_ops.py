@@ -53,7 +53,12 @@ def _align(args, kwargs, ctx):
 
 def _elementwise_local(func, args, kwargs, ctx):
     args, kwargs = _align(args, kwargs, ctx)
-    return func(*args, **kwargs)
+    out = func(*args, **kwargs)
+    if ctx.lead and out.dtype != ctx.decision.out_dtypes[0]:
+        # a 0-d value's stacked storage has a dim, so torch's type promotion counted it as a
+        # dimensioned tensor (int64 0-d + int32 vector is int32 on one device)
+        return out.to(ctx.decision.out_dtypes[0])
+    return out
 
 
 def _functions(name: str):

@@ -800,3 +800,20 @@ def test_an_empty_dim_list_reduces_every_dim(kind, keepdim):
             close(out.full_tensor(), getattr(torch, kind)(x, dim=dim, keepdim=keepdim))
     empty = fd.distribute_tensor(torch.zeros(0, dtype=torch.float64), mesh, fd.P("x"))
     close(torch.sum(empty, dim=()).full_tensor(), torch.zeros((), dtype=torch.float64))
+
+
+def test_type_promotion_of_a_zero_d_value_with_a_dimensioned_one():
+    """Regression (fuzz): a 0-d int64 value with an int32 vector gave int64 (on the simulated
+    backend a 0-d value's stacked storage has a dim, and torch promoted it as dimensioned);
+    torch gives int32, and float16 for a 0-d float64 with a float16 vector."""
+    mesh = fd.simulated_mesh(2, "x")
+    pairs = [
+        (torch.tensor(3), torch.tensor([1, 2], dtype=torch.int32)),
+        (torch.tensor(1.5, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float16)),
+    ]
+    for a, b in pairs:
+        da, db = fd.distribute_tensor(a, mesh, fd.P()), fd.distribute_tensor(b, mesh, fd.P("x"))
+        for program in (lambda x, y: x * 2 + y - x * y, torch.maximum, lambda x, y: x > y):
+            out = program(da, db)
+            assert out.dtype == program(a, b).dtype
+            assert torch.equal(out.full_tensor(), program(a, b))
