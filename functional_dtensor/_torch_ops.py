@@ -77,8 +77,26 @@ _BINARY = (
     "pow maximum minimum eq ne lt le gt ge logical_and logical_or logical_xor atan2 remainder fmod where lerp"
 ).split()
 
+
+def _divisor_local(func, args, kwargs, ctx):
+    """``remainder``, ``fmod``, ``div``: an integer divisor's padding (the zeros an uneven shard
+    is padded with on stacked storage) set to one, so that the division does not fail there."""
+    divisor = args[1] if len(args) > 1 else None
+    if (
+        ctx.lead
+        and isinstance(divisor, torch.Tensor)
+        and not (divisor.is_floating_point() or divisor.is_complex())
+    ):
+        i = int(isinstance(args[0], torch.Tensor))  # the divisor's place among the inputs
+        layout, shape = ctx.decision.inputs[i], ctx.decision.call.shapes[i]
+        if not shard_table(layout, shape).is_even:
+            args = (args[0], divisor.masked_fill(~_valid(layout, shape, divisor), 1), *args[2:])
+    return _elementwise_local(func, args, kwargs, ctx)
+
+
 for _name in _UNARY + _BINARY:
-    register(_functions(_name), Handler(rules.elementwise, _none, _elementwise_local, _name, False))
+    local = _divisor_local if _name in ("remainder", "fmod") else _elementwise_local
+    register(_functions(_name), Handler(rules.elementwise, _none, local, _name, False))
 for _name in ("neg", "negative"):
     register(_functions(_name), Handler(rules.linear, _none, _elementwise_local, _name, False))
 
@@ -127,7 +145,7 @@ for _name in ("mul", "multiply"):
 for _name in ("div", "divide", "true_divide"):
     register(
         _functions(_name),
-        Handler(_quotient, _numerator_first, _elementwise_local, _name, False),
+        Handler(_quotient, _numerator_first, _divisor_local, _name, False),
     )
 
 

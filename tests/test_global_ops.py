@@ -817,3 +817,21 @@ def test_type_promotion_of_a_zero_d_value_with_a_dimensioned_one():
             out = program(da, db)
             assert out.dtype == program(a, b).dtype
             assert torch.equal(out.full_tensor(), program(a, b))
+
+
+def test_an_integer_division_by_an_uneven_value_does_not_divide_its_padding():
+    """Regression (fuzz): remainder, fmod and floor division by an integer value sharded
+    unevenly (2 elements over 64 devices) failed with torch's ZeroDivisionError: the padding of
+    the uneven shards holds zeros."""
+    mesh = fd.simulated_mesh(64, "x")
+    x, y = torch.tensor([5, 7]), torch.tensor([2, 3])
+    dx, dy = fd.distribute_tensor(x, mesh, fd.P()), fd.distribute_tensor(y, mesh, fd.P("x"))
+    programs = [
+        torch.remainder,
+        torch.fmod,
+        lambda a, b: torch.div(a, b, rounding_mode="floor"),
+        lambda a, b: a % (torch.abs(b) + 1),
+    ]
+    for program in programs:
+        assert torch.equal(program(dx, dy).full_tensor(), program(x, y))
+    assert torch.equal(torch.remainder(dx, dy + 0).full_tensor(), torch.remainder(x, y))
