@@ -684,7 +684,7 @@ def _cat_params(new: bool):
     def params(args, kwargs, tensors):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         ndim = tensors[0].ndim + (1 if new else 0)
-        return (dim % ndim, new)
+        return (dim % max(ndim, 1), new)  # 0-d values: torch refuses them (on meta, next)
 
     return params
 

@@ -835,3 +835,12 @@ def test_an_integer_division_by_an_uneven_value_does_not_divide_its_padding():
     for program in programs:
         assert torch.equal(program(dx, dy).full_tensor(), program(x, y))
     assert torch.equal(torch.remainder(dx, dy + 0).full_tensor(), torch.remainder(x, y))
+
+
+def test_cat_of_zero_d_values_is_refused_as_torch_does():
+    """Regression (fuzz): torch.cat of 0-d values divided by zero in the library, where torch
+    says a zero-dimensional tensor cannot be concatenated; stacking them works."""
+    mesh = fd.simulated_mesh(2, "x")
+    a, b = (fd.distribute_tensor(torch.tensor(v), mesh, fd.P()) for v in (1.0, 2.0))
+    check(fd.ShapeError, ValueError, lambda: torch.cat([a, b]), "torch.cat", "()")
+    close(torch.stack([a, b]).full_tensor(), torch.tensor([1.0, 2.0]))
