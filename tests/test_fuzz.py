@@ -454,7 +454,7 @@ def run_op(op: Op, mesh, layouts, xs, params, grad: bool, what: str) -> None:
     # the reference of values: the op on the inputs' global values as the library holds them (a
     # float Partial(sum) input is held as parts x / n, whose sum rounds), contiguous (a value has
     # no strides: x.view works on any input)
-    want = reference(lambda: op.call(*[d.full_tensor().detach() for d in inputs], params))
+    want = reference(lambda: op.call(*[d.full_tensor().detach().contiguous() for d in inputs], params))
     got = attempt(lambda: op.call(*inputs, params))
     if got.error is not None:
         cause = got.error.__cause__
