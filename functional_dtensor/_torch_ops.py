@@ -278,6 +278,16 @@ def _reduction(kind: str):
         rest = [a for a in args[1:] if not isinstance(a, torch.dtype)]
         dim = kwargs.get("dim", rest[0] if rest else None)
         keepdim = kwargs.get("keepdim", rest[1] if len(rest) > 1 else False)
+        if kind in ("amax", "amin") and tensors[0].dtype.is_complex:  # meta kernels let it pass
+            raise InputTypeError(
+                explain(
+                    f"torch.{kind}",
+                    "complex values have no order",
+                    expected="a real dtype (as on one device)",
+                    got=str(tensors[0].dtype),
+                    fix="reduce x.abs() or x.real instead",
+                )
+            )
         grad = kind in ("amax", "amin") and tensors[0].requires_grad and torch.is_grad_enabled()
         # under autograd a max over a sharded dim gathers it: only the device holding the max
         # may take its gradient

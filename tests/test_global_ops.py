@@ -844,3 +844,14 @@ def test_cat_of_zero_d_values_is_refused_as_torch_does():
     a, b = (fd.distribute_tensor(torch.tensor(v), mesh, fd.P()) for v in (1.0, 2.0))
     check(fd.ShapeError, ValueError, lambda: torch.cat([a, b]), "torch.cat", "()")
     close(torch.stack([a, b]).full_tensor(), torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("shape", [(), (4,)])
+def test_amax_of_complex_values_is_refused_as_torch_does(shape):
+    """Regression (fuzz): amax of a 0-d complex value returned it, where torch refuses (complex
+    values have no order); the meta kernel does not check the dtype."""
+    mesh = fd.simulated_mesh(2, "x")
+    d = fd.distribute_tensor(torch.ones(shape, dtype=torch.complex64), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: torch.amax(d), "torch.amax", "complex64")
+    check(fd.InputTypeError, TypeError, lambda: d.amin(), "torch.amin")
+    close(d.sum().full_tensor(), torch.ones(shape, dtype=torch.complex64).sum())
