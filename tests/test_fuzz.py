@@ -304,6 +304,13 @@ def _dim_keep(draw, shapes):
     return (_dim(draw, shapes) if draw(st.booleans()) else None, draw(st.booleans()))
 
 
+def _equation(shapes) -> str:
+    """A batched matmul's einsum equation, every dim labelled (fd.DTensor takes no '...')."""
+    a, b = shapes
+    batch = "abcd"[: len(a) - 2]
+    return f"{batch}ij,{batch[len(batch) - (len(b) - 2) :]}jk->{batch}ik"
+
+
 def _split(draw, shapes):
     return (draw(st.integers(1, 4)), _dim(draw, shapes))
 
@@ -390,7 +397,7 @@ OPS = [
     Op("std (no rule)", 1, lambda x, p: torch.std(x)),
     # matmul family
     Op("matmul", 2, lambda x, y, p: torch.matmul(x, y), shapes="matmul"),
-    Op("einsum", 2, lambda x, y, p: torch.einsum("...ij,...jk->...ik", x, y), shapes="matmul"),
+    Op("einsum", 2, lambda x, y, p: torch.einsum(p[0], x, y), lambda draw, s: (_equation(s),), "matmul"),
     Op("linear", 2, lambda x, y, p: F.linear(x, y.mT), shapes="matmul"),
     # views
     Op("reshape", 1, lambda x, p: x.reshape(p[0]), _reshape),
