@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from . import _rules as rules
 from . import random as fd_random
-from ._backend import backend_of
+from ._backend import backend_of, is_transformed
 from ._blocks import valid_mask
 from ._dtensor import DTensor, distribute_tensor, from_local, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
@@ -742,6 +742,21 @@ def _embedding_local(func, args, kwargs, ctx):
         return F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
     mesh = layout.mesh
     total = ctx.decision.call.shapes[1][0]
+    if not (torch.compiler.is_compiling() or is_transformed(indices)) and math.prod(
+        ctx.decision.call.shapes[0]
+    ):
+        # the shards look up only their own rows, so an index outside the table would read as
+        # zeros: refused, as torch refuses it (the padding of uneven indices holds 0, a row)
+        if total == 0 or bool(((indices < 0) | (indices >= total)).any()):
+            raise IndexError(
+                explain(
+                    "torch.embedding(input)",
+                    "an index is outside the table",
+                    expected=f"indices in [0, {total})",
+                    got=f"indices from {int(indices.min())} to {int(indices.max())}",
+                    fix="check the indices against the table's rows first",
+                )
+            )
     names = tuple(mesh.axis_names[a] for a in rows)
     index = backend_of(mesh).axis_index(mesh, names, indices.device)
     chunk = -(-total // mesh.axis_size(names))

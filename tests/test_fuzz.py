@@ -415,6 +415,16 @@ OPS = [
     Op("log_softmax", 1, lambda x, p: torch.log_softmax(x, dim=p[0]), lambda draw, s: (_dim(draw, s),)),
     Op("cumsum", 1, lambda x, p: torch.cumsum(x, p[0]), lambda draw, s: (_dim(draw, s),)),
     Op("layer_norm", 1, lambda x, p: F.layer_norm(x, x.shape[-1:])),
+    Op("squeeze", 1, lambda x, p: x.squeeze()),
+    Op("lerp", 2, lambda x, y, p: torch.lerp(x, y, 0.25), shapes="broadcast"),
+    Op("clamp by a tensor", 2, lambda x, y, p: torch.clamp(x, min=y), shapes="broadcast", smooth=False),
+    Op("embedding", 2, lambda x, y, p: F.embedding(torch.remainder(x.long(), 7), y), shapes="lookup"),
+    Op(
+        "cross_entropy",
+        2,
+        lambda x, y, p: F.cross_entropy(x, torch.remainder(y.long(), x.shape[-1])),
+        shapes="classes",
+    ),
     # joining
     Op("cat", 2, lambda x, y, p: torch.cat([x, y], p[0]), lambda draw, s: (_dim(draw, s),)),
     Op(
@@ -437,6 +447,11 @@ def operand_shapes(draw, op: Op):
         drop = draw(st.integers(0, len(shape)))
         other = tuple(1 if draw(st.booleans()) else n for n in shape[drop:])
         return [shape, other] if draw(st.booleans()) else [other, shape]
+    if op.shapes == "lookup":  # indices (any shape), a table (rows, features)
+        return [draw(shapes(max_dims=2)), (draw(st.integers(0, 7)), draw(st.integers(0, 4)))]
+    if op.shapes == "classes":  # logits (rows, classes), targets (rows,)
+        rows = draw(st.integers(0, 6))
+        return [(rows, draw(st.integers(1, 7))), (rows,)]
     m, k, n = (draw(st.integers(0, 5)) for _ in range(3))
     batch = draw(st.sampled_from([(), (2,), (3, 1)]))
     return [(*batch, m, k), (*batch[len(batch) // 2 :], k, n)]

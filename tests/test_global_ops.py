@@ -855,3 +855,16 @@ def test_amax_of_complex_values_is_refused_as_torch_does(shape):
     check(fd.InputTypeError, TypeError, lambda: torch.amax(d), "torch.amax", "complex64")
     check(fd.InputTypeError, TypeError, lambda: d.amin(), "torch.amin")
     close(d.sum().full_tensor(), torch.ones(shape, dtype=torch.complex64).sum())
+
+
+@pytest.mark.parametrize("table_spec", [fd.P(), fd.P("x"), fd.P(None, "x")])
+def test_an_embedding_index_outside_the_table_is_the_librarys_error(table_spec):
+    """Regression (fuzz): with the table's rows sharded, an index outside the table read as a
+    row of zeros (each shard looks up its own rows only), where torch refuses it; an empty
+    table likewise."""
+    mesh = fd.simulated_mesh(2, "x")
+    indices = fd.distribute_tensor(torch.tensor([0, 5]), mesh, fd.P())
+    table = fd.distribute_tensor(values((4, 3), 1), mesh, table_spec)
+    check(fd.InputTypeError, TypeError, lambda: F.embedding(indices, table), "torch.embedding", "5")
+    empty = fd.distribute_tensor(torch.zeros(0, 3, dtype=torch.float64), mesh, table_spec)
+    check(fd.InputTypeError, TypeError, lambda: F.embedding(indices, empty), "torch.embedding")
