@@ -738,25 +738,26 @@ def _embedding_local(func, args, kwargs, ctx):
     indices, table = args[0], args[1]
     layout = ctx.decision.inputs[1]
     rows = [a for a, p in enumerate(layout.placements) if p == Shard(0)]
-    if not rows:
-        return F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
-    mesh = layout.mesh
     total = ctx.decision.call.shapes[1][0]
     if not (torch.compiler.is_compiling() or is_transformed(indices)) and math.prod(
         ctx.decision.call.shapes[0]
     ):
-        # the shards look up only their own rows, so an index outside the table would read as
-        # zeros: refused, as torch refuses it (the padding of uneven indices holds 0, a row)
+        # refused as torch refuses it: the shards of a row-sharded table look up only their own
+        # rows (an index outside would read as zeros), and a gather from an empty table of no
+        # features reads nothing (the padding of uneven indices holds 0, a row)
         if total == 0 or bool(((indices < 0) | (indices >= total)).any()):
             raise IndexError(
                 explain(
                     "torch.embedding(input)",
                     "an index is outside the table",
                     expected=f"indices in [0, {total})",
-                    got=f"indices from {int(indices.min())} to {int(indices.max())}",
+                    got=f"indices {indices.unique().tolist()[:8]} for a table of {total} rows",
                     fix="check the indices against the table's rows first",
                 )
             )
+    if not rows:
+        return F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
+    mesh = layout.mesh
     names = tuple(mesh.axis_names[a] for a in rows)
     index = backend_of(mesh).axis_index(mesh, names, indices.device)
     chunk = -(-total // mesh.axis_size(names))

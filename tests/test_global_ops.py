@@ -867,4 +867,5 @@ def test_an_embedding_index_outside_the_table_is_the_librarys_error(table_spec):
     table = fd.distribute_tensor(values((4, 3), 1), mesh, table_spec)
     check(fd.InputTypeError, TypeError, lambda: F.embedding(indices, table), "torch.embedding", "5")
     empty = fd.distribute_tensor(torch.zeros(0, 3, dtype=torch.float64), mesh, table_spec)
-    check(fd.InputTypeError, TypeError, lambda: F.embedding(indices, empty), "torch.embedding")
+    zero = fd.distribute_tensor(torch.tensor([0]), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: F.embedding(zero, empty), "torch.embedding", "0 rows")
