@@ -999,6 +999,16 @@ def _cross_entropy(func, args, kwargs, ctx):
                 "or label smoothing inside fd.local_map",
             )
         )
+    if not logits.dtype.is_floating_point or target.dtype != torch.int64:  # as torch's kernels
+        raise InputTypeError(
+            explain(
+                "F.cross_entropy",
+                "cross_entropy takes floating logits and int64 class indices",
+                expected="logits of a floating dtype, a target of torch.int64",
+                got=f"logits of {logits.dtype}, a target of {target.dtype}",
+                fix="convert them first: F.cross_entropy(logits.float(), target.long())",
+            )
+        )
     dim = 1 if logits.ndim > 1 else 0
     classes = logits.shape[dim]
     shifted = torch.sub(logits, logits.detach().amax(dim, keepdim=True))

@@ -869,3 +869,18 @@ def test_an_embedding_index_outside_the_table_is_the_librarys_error(table_spec):
     empty = fd.distribute_tensor(torch.zeros(0, 3, dtype=torch.float64), mesh, table_spec)
     zero = fd.distribute_tensor(torch.tensor([0]), mesh, fd.P())
     check(fd.InputTypeError, TypeError, lambda: F.embedding(zero, empty), "torch.embedding", "0 rows")
+
+
+def test_cross_entropy_takes_floating_logits_and_int64_targets_as_torch():
+    """Regression (fuzz): cross_entropy of int64 logits returned a loss, where torch's kernel
+    refuses them."""
+    mesh = fd.simulated_mesh(2, "x")
+    target = fd.distribute_tensor(torch.tensor([0, 1]), mesh, fd.P())
+    logits = fd.distribute_tensor(torch.tensor([[1, 2], [3, 4]]), mesh, fd.P("x"))
+    check(fd.InputTypeError, TypeError, lambda: F.cross_entropy(logits, target), "F.cross_entropy", "int64")
+    narrow = fd.distribute_tensor(torch.tensor([0, 1], dtype=torch.int32), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: F.cross_entropy(logits.double(), narrow), "torch.int32")
+    close(
+        F.cross_entropy(logits.double(), target).full_tensor(),
+        F.cross_entropy(torch.tensor([[1.0, 2], [3, 4]], dtype=torch.float64), torch.tensor([0, 1])),
+    )
