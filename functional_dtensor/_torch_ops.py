@@ -304,10 +304,7 @@ def _reduction(kind: str):
         shape = ctx.decision.call.shapes[0]
         layout = ctx.decision.inputs[0]
         if kind in ("amax", "amin", "prod") and ctx.lead and not shard_table(layout, shape).is_even:
-            identity = {"amax": -math.inf, "amin": math.inf, "prod": 1}[kind]
-            if not storage.is_floating_point() and kind != "prod":
-                info = torch.iinfo(storage.dtype)
-                identity = info.min if kind == "amax" else info.max
+            identity = 1 if kind == "prod" else _identity(kind, storage.dtype)
             storage = storage.masked_fill(~_valid(layout, shape, storage), identity)
         if not negative:
             return storage.to(ctx.decision.out_dtypes[0])
@@ -323,10 +320,7 @@ def _reduction(kind: str):
                 shape = [1 if i - storage.dim() in negative else n for i, n in enumerate(storage.shape)]
                 if not keepdim:
                     shape = [n for i, n in enumerate(shape) if i - storage.dim() not in negative]
-                identity = -math.inf if kind == "amax" else math.inf
-                if not storage.is_floating_point():
-                    info = torch.iinfo(storage.dtype)
-                    identity = info.min if kind == "amax" else info.max
+                identity = _identity(kind, storage.dtype)
                 return torch.full(shape, identity, dtype=storage.dtype, device=storage.device)
             return (torch.amax if kind == "amax" else torch.amin)(storage, dim=negative, keepdim=keepdim)
         for d in sorted(negative):
@@ -334,6 +328,17 @@ def _reduction(kind: str):
         return storage if keepdim else storage.squeeze(tuple(negative))
 
     return params, local
+
+
+def _identity(kind: str, dtype: torch.dtype):
+    """The identity of ``amax``/``amin`` in ``dtype`` (False/True for bool, which torch.iinfo
+    does not take)."""
+    if dtype == torch.bool:
+        return kind == "amin"
+    if dtype.is_floating_point:
+        return -math.inf if kind == "amax" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if kind == "amax" else info.max
 
 
 def _valid(layout, shape, storage):

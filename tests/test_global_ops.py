@@ -884,3 +884,17 @@ def test_cross_entropy_takes_floating_logits_and_int64_targets_as_torch():
         F.cross_entropy(logits.double(), target).full_tensor(),
         F.cross_entropy(torch.tensor([[1.0, 2], [3, 4]], dtype=torch.float64), torch.tensor([0, 1])),
     )
+
+
+@pytest.mark.parametrize("kind", ["amax", "amin", "max", "min"])
+def test_a_max_of_an_uneven_bool_value(kind):
+    """Regression (fuzz): amax/amin of a bool value sharded unevenly (or with empty shards)
+    failed in torch.iinfo(torch.bool), finding the identity for the padding."""
+    mesh = fd.simulated_mesh(4, "x")
+    for x in (torch.tensor([False, True]), torch.tensor([True, True, False]), torch.tensor([False] * 5)):
+        d = fd.distribute_tensor(x, mesh, fd.P("x"))
+        assert torch.equal(getattr(torch, kind)(d).full_tensor(), getattr(torch, kind)(x))
+        assert torch.equal(
+            getattr(torch, "amax" if "max" in kind else "amin")(d, 0).full_tensor(),
+            x.any() if "max" in kind else x.all(),
+        )
