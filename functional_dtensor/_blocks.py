@@ -83,9 +83,10 @@ def _reduce(x: torch.Tensor, op: str, dim, keepdim: bool) -> torch.Tensor:
     if op == "avg":
         if _floating(x):
             return x.mean(dim, keepdim=keepdim)
-        total = x.sum(dim, keepdim=keepdim, dtype=x.dtype)
+        # summed in int64: a narrow dtype would wrap (64 devices' uint8 4s sum to 0)
+        total = x.sum(dim, keepdim=keepdim, dtype=torch.int64)
         count = x.shape[dim] if isinstance(dim, int) else math.prod([x.shape[d] for d in dim])
-        return total.div(count, rounding_mode="floor")
+        return total.div(count, rounding_mode="floor").to(x.dtype)
     return x.amax(dim, keepdim=keepdim) if op == "max" else x.amin(dim, keepdim=keepdim)
 
 

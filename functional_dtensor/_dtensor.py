@@ -44,6 +44,7 @@ from ._spec import P
 __all__ = [
     "DTensor",
     "distribute_tensor",
+    "check_partial_dtype",
     "from_local",
     "distribute_storage",
     "gather_storage",
@@ -518,6 +519,28 @@ def check_mesh(mesh, where: str) -> DeviceMesh:
     return mesh
 
 
+def check_partial_dtype(layout: Layout, dtype: torch.dtype, where: str) -> None:
+    """A Partial reduction must be defined on the dtype: complex values have no order (no
+    ``max``/``min``), and the average of bools is no bool."""
+    for placement in layout.placements:
+        if not isinstance(placement, Partial):
+            continue
+        op = placement.op
+        if (dtype.is_complex and op in ("max", "min")) or (dtype == torch.bool and op == "avg"):
+            kind = "complex values have no order" if dtype.is_complex else "an average of bools is no bool"
+            raise LayoutError(
+                explain(
+                    where,
+                    f"Partial({op!r}) does not reduce {dtype} values ({kind})",
+                    expected="Partial('sum') or Partial('avg') for complex values, "
+                    "Partial('sum'|'max'|'min') for bool",
+                    got=f"Partial({op!r}) for a {dtype} value",
+                    fix="convert the value first (x.real, x.abs(), x.to(torch.int64)), or choose another "
+                    "reduction",
+                )
+            )
+
+
 def layout_for(
     mesh, placements: PlacementsOrSpec, ndim: int, api: str, *, argument: str = "placements"
 ) -> Layout:
@@ -565,6 +588,8 @@ def distribute_tensor(
         )
     tensor = check_tensor(tensor, f"{api}(tensor)", torch_dtensor_fix=TORCH_DTENSOR_FIX)
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
+    if layout.has_partial:
+        check_partial_dtype(layout, tensor.dtype, f"{api}(placements)")
     moved = tensor.to(layout.mesh.device_type)
     storage = distribute_storage(moved, layout, copy=copy and moved is tensor)
     return DTensor(storage, layout, tensor.shape)
@@ -616,6 +641,8 @@ def from_local(
         shards = [check_tensor(local_tensor, f"{api}(local_tensor)", torch_dtensor_fix=fix)]
     ndim = shards[0].dim()
     layout = layout_for(mesh, placements, ndim, api)
+    if layout.has_partial:
+        check_partial_dtype(layout, shards[0].dtype, f"{api}(placements)")
     shape = None if shape is None else tuple(shape)
     if shape is not None and not run_check:  # with run_check, every process checks every shard
         check_rank(shape, ndim, f"{api}(shape)")

@@ -349,10 +349,33 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
         or _VARIED  # a data-parallel forward runs (one dict's truth: the cost when none does)
     ):
         return _dispatch_tree(func, handler, args, {})
-    out = handler.local(func, local, {}, decision.context)
+    try:
+        out = handler.local(func, local, {}, decision.context)
+    except FunctionalDTensorError:
+        raise
+    except _TORCH_ERRORS as error:
+        raise _failed(handler.name, error) from error
     if type(out) is torch.Tensor and not decision.padded[0]:  # one output, no padding: the value
         return new_value(out, decision.output, decision.out_shapes[0])
     return _wrap(out, decision)
+
+
+#: what torch raises for a dtype or a value an op does not take (meta kernels, which decide the
+#: output's shape and dtype, do not check every dtype)
+_TORCH_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, ZeroDivisionError)
+
+
+def _failed(name: str, error: Exception) -> InputTypeError:
+    return InputTypeError(
+        explain(
+            f"torch.{name}",
+            "the op failed on the shards, as it does on one device for these dtypes or values",
+            expected="the dtypes and values the op takes on plain tensors",
+            got=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            fix="check the call on the global values first (x.full_tensor()), and convert the dtype "
+            "where torch's kernel lacks it",
+        )
+    )
 
 
 def _wrap(out, decision: Decision):
@@ -426,7 +449,13 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
         local_args, local_kwargs = tree.unflatten(
             [next(feed) if type(v) is DTensor else _on_mesh(v, mesh) for v in leaves]
         )
-    out = _wrap(handler.local(func, local_args, local_kwargs, decision.context), decision)
+    try:
+        out = handler.local(func, local_args, local_kwargs, decision.context)
+    except FunctionalDTensorError:
+        raise
+    except _TORCH_ERRORS as error:
+        raise _failed(handler.name, error) from error
+    out = _wrap(out, decision)
     if out_varied:
         for value in out if isinstance(out, (tuple, list)) else (out,):
             varied.mark(storage_of(value), out_varied)

@@ -28,7 +28,7 @@ from . import _log as log
 from . import _varied as varied
 from ._backend import backend_of
 from ._cache import cached
-from ._dtensor import DTensor, layout_for, storage_of, without_partial
+from ._dtensor import DTensor, check_partial_dtype, layout_for, storage_of, without_partial
 from ._errors import InputTypeError, MeshError, explain
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
@@ -72,6 +72,8 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
     target = layout_for(x.device_mesh, placements, x.ndim, "fd.redistribute")
     if target == x.layout:
         return x
+    if target.has_partial:
+        check_partial_dtype(target, x.dtype, "fd.redistribute(placements)")
     storage = storage_of(x)
     axes = varied.axes_of(storage) if varied.TABLE else frozenset()
     if not axes:
@@ -349,6 +351,16 @@ def _log_plan(key: tuple, steps: tuple[Step, ...], gradient: bool) -> None:
 
 def run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Run one planned step on a storage (stacked shards, or this rank's shard)."""
+    if getattr(step, "op", None) == "avg" and x.dtype in _NARROW_INTEGERS:
+        # an integer average is summed in int64: a narrow dtype would wrap in the sum
+        return _run(step, x.to(torch.int64), shape).to(x.dtype)
+    return _run(step, x, shape)
+
+
+_NARROW_INTEGERS = frozenset([torch.int8, torch.uint8, torch.int16, torch.int32, torch.uint16, torch.uint32])
+
+
+def _run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     mesh = step.source.mesh
     backend = backend_of(mesh)
     names = step.names

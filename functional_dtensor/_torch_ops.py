@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from . import _rules as rules
 from . import random as fd_random
-from ._backend import backend_of
+from ._backend import backend_of, is_transformed
 from ._blocks import valid_mask
 from ._dtensor import DTensor, distribute_tensor, from_local, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
@@ -53,7 +53,12 @@ def _align(args, kwargs, ctx):
 
 def _elementwise_local(func, args, kwargs, ctx):
     args, kwargs = _align(args, kwargs, ctx)
-    return func(*args, **kwargs)
+    out = func(*args, **kwargs)
+    if ctx.lead and out.dtype != ctx.decision.out_dtypes[0]:
+        # a 0-d value's stacked storage has a dim, so torch's type promotion counted it as a
+        # dimensioned tensor (int64 0-d + int32 vector is int32 on one device)
+        return out.to(ctx.decision.out_dtypes[0])
+    return out
 
 
 def _functions(name: str):
@@ -72,10 +77,58 @@ _BINARY = (
     "pow maximum minimum eq ne lt le gt ge logical_and logical_or logical_xor atan2 remainder fmod where lerp"
 ).split()
 
+
+def _divisor_local(func, args, kwargs, ctx):
+    """``remainder``, ``fmod``, ``div``: an integer divisor's padding (the zeros an uneven shard
+    is padded with on stacked storage) set to one, so that the division does not fail there."""
+    divisor = args[1] if len(args) > 1 else None
+    if (
+        ctx.lead
+        and isinstance(divisor, torch.Tensor)
+        and not (divisor.is_floating_point() or divisor.is_complex())
+    ):
+        i = int(isinstance(args[0], torch.Tensor))  # the divisor's place among the inputs
+        layout, shape = ctx.decision.inputs[i], ctx.decision.call.shapes[i]
+        if not shard_table(layout, shape).is_even:
+            args = (args[0], divisor.masked_fill(~_valid(layout, shape, divisor), 1), *args[2:])
+    return _elementwise_local(func, args, kwargs, ctx)
+
+
 for _name in _UNARY + _BINARY:
-    register(_functions(_name), Handler(rules.elementwise, _none, _elementwise_local, _name, False))
-for _name in ("add", "sub", "subtract", "neg", "negative"):
+    local = _divisor_local if _name in ("remainder", "fmod") else _elementwise_local
+    register(_functions(_name), Handler(rules.elementwise, _none, local, _name, False))
+for _name in ("neg", "negative"):
     register(_functions(_name), Handler(rules.linear, _none, _elementwise_local, _name, False))
+
+
+def _operands(args, kwargs) -> list:
+    return [*args[:2], *[kwargs[k] for k in ("input", "other") if k in kwargs]]
+
+
+def _constant_operand(args, kwargs, tensors):
+    """Whether a number or a plain tensor is an operand (``x + 1``): a constant added on every
+    device's part of a Partial(sum) value would be counted once per device."""
+    return (any(not isinstance(v, DTensor) for v in _operands(args, kwargs)),)
+
+
+def _sum(call):
+    """``a + b``, ``a - b``: linear in the fd.DTensor operands together, affine with a constant."""
+    (constant,) = call.params
+    return rules.elementwise(call) if constant else rules.linear(call)
+
+
+for _name in ("add", "sub", "subtract"):
+    register(_functions(_name), Handler(_sum, _constant_operand, _elementwise_local, _name, False))
+
+
+def _numerator_first(args, kwargs, tensors):
+    return (isinstance(_operands(args, kwargs)[0], DTensor),)
+
+
+def _quotient(call):
+    """``a / b``: Partial(sum) passes through the numerator alone (``2 / x`` is not linear)."""
+    (numerator,) = call.params
+    return rules.elementwise(call, partial=(0,) if numerator else ())
 
 
 def _product(call):
@@ -92,7 +145,7 @@ for _name in ("mul", "multiply"):
 for _name in ("div", "divide", "true_divide"):
     register(
         _functions(_name),
-        Handler(lambda call: rules.elementwise(call, partial=(0,)), _none, _elementwise_local, _name, False),
+        Handler(_quotient, _numerator_first, _divisor_local, _name, False),
     )
 
 
@@ -162,6 +215,16 @@ def _matmul_params(args, kwargs, tensors):
                     fix="unsqueeze a vector first: (v.unsqueeze(0) @ w).squeeze(0)",
                 )
             )
+    if len(tensors) == 2 and tensors[0].dtype != tensors[1].dtype:
+        raise InputTypeError(
+            explain(
+                "torch.matmul",
+                "a matmul takes operands of one dtype (as on one device)",
+                expected="two fd.DTensor of one dtype",
+                got=f"{tensors[0].dtype} and {tensors[1].dtype}",
+                fix=f"convert one first: b.to({tensors[0].dtype})",
+            )
+        )
     if len(tensors) != 2:
         raise InputTypeError(
             explain(
@@ -204,9 +267,9 @@ register([torch.addmm, torch.Tensor.addmm], Handler(None, _none, _addmm, "addmm"
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
-    if dim is None:
+    dims = (dim,) if isinstance(dim, int) else None if dim is None else tuple(dim)
+    if not dims:  # None, and an empty dim list, reduce every dim (as torch)
         return tuple(range(ndim))
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
     return tuple(sorted({d % max(ndim, 1) for d in dims})) if ndim else ()
 
 
@@ -215,6 +278,16 @@ def _reduction(kind: str):
         rest = [a for a in args[1:] if not isinstance(a, torch.dtype)]
         dim = kwargs.get("dim", rest[0] if rest else None)
         keepdim = kwargs.get("keepdim", rest[1] if len(rest) > 1 else False)
+        if kind in ("amax", "amin") and tensors[0].dtype.is_complex:  # meta kernels let it pass
+            raise InputTypeError(
+                explain(
+                    f"torch.{kind}",
+                    "complex values have no order",
+                    expected="a real dtype (as on one device)",
+                    got=str(tensors[0].dtype),
+                    fix="reduce x.abs() or x.real instead",
+                )
+            )
         grad = kind in ("amax", "amin") and tensors[0].requires_grad and torch.is_grad_enabled()
         # under autograd a max over a sharded dim gathers it: only the device holding the max
         # may take its gradient
@@ -231,10 +304,7 @@ def _reduction(kind: str):
         shape = ctx.decision.call.shapes[0]
         layout = ctx.decision.inputs[0]
         if kind in ("amax", "amin", "prod") and ctx.lead and not shard_table(layout, shape).is_even:
-            identity = {"amax": -math.inf, "amin": math.inf, "prod": 1}[kind]
-            if not storage.is_floating_point() and kind != "prod":
-                info = torch.iinfo(storage.dtype)
-                identity = info.min if kind == "amax" else info.max
+            identity = 1 if kind == "prod" else _identity(kind, storage.dtype)
             storage = storage.masked_fill(~_valid(layout, shape, storage), identity)
         if not negative:
             return storage.to(ctx.decision.out_dtypes[0])
@@ -250,10 +320,7 @@ def _reduction(kind: str):
                 shape = [1 if i - storage.dim() in negative else n for i, n in enumerate(storage.shape)]
                 if not keepdim:
                     shape = [n for i, n in enumerate(shape) if i - storage.dim() not in negative]
-                identity = -math.inf if kind == "amax" else math.inf
-                if not storage.is_floating_point():
-                    info = torch.iinfo(storage.dtype)
-                    identity = info.min if kind == "amax" else info.max
+                identity = _identity(kind, storage.dtype)
                 return torch.full(shape, identity, dtype=storage.dtype, device=storage.device)
             return (torch.amax if kind == "amax" else torch.amin)(storage, dim=negative, keepdim=keepdim)
         for d in sorted(negative):
@@ -261,6 +328,17 @@ def _reduction(kind: str):
         return storage if keepdim else storage.squeeze(tuple(negative))
 
     return params, local
+
+
+def _identity(kind: str, dtype: torch.dtype):
+    """The identity of ``amax``/``amin`` in ``dtype`` (False/True for bool, which torch.iinfo
+    does not take)."""
+    if dtype == torch.bool:
+        return kind == "amin"
+    if dtype.is_floating_point:
+        return -math.inf if kind == "amax" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if kind == "amax" else info.max
 
 
 def _valid(layout, shape, storage):
@@ -299,6 +377,9 @@ def _along_max(kind):
         (dims,) = ctx.decision.call.params[:1]
         ndim = len(ctx.decision.call.shapes[0])
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        if not ndim:  # a 0-d value: its one element along a dim of its own (not the device dim)
+            values, indices = getattr(torch, kind)(args[0].unsqueeze(-1), -1)
+            return values, indices
         return getattr(torch, kind)(args[0], dims[0] - ndim, keepdim=keepdim)
 
     return local
@@ -317,7 +398,7 @@ def _dim_param(position: int, name: str = "dim"):
                     fix=f"pass {name} explicitly",
                 )
             )
-        return ((dim % tensors[0].ndim,),)
+        return ((dim % max(tensors[0].ndim, 1),),)  # a 0-d value takes dim 0 or -1, as in torch
 
     return params
 
@@ -336,8 +417,27 @@ for _kind in ("max", "min"):
     register(_functions(_kind), Handler(None, _none, _max_min(_kind), _kind))
 
 
+def _on_meta(func, args, kwargs):
+    """``func`` of a composite on a meta tensor of its first argument's global shape and dtype:
+    the output torch gives, and torch's argument and dtype checks as the library's error."""
+    x = args[0]
+    try:
+        return func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        raise ShapeError(
+            explain(
+                f"torch.{getattr(func, '__name__', 'op')}",
+                "the op does not take these arguments (as on one device)",
+                expected="the shapes, dtypes and arguments the op takes on plain tensors",
+                got=f"{tuple(x.shape)} {x.dtype}: {str(error).splitlines()[0]}",
+                fix="check the call on a plain tensor of this global shape first",
+            )
+        ) from None
+
+
 def _norm(func, args, kwargs, ctx):
     x = args[0]
+    _on_meta(func, args, kwargs)
     p = args[1] if len(args) > 1 else kwargs.get("p", 2)
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
@@ -363,6 +463,11 @@ register([torch.norm, torch.Tensor.norm], Handler(None, _none, _norm, "norm"))
 def _negative_dim_local(func, args, kwargs, ctx):
     (dims,) = ctx.decision.call.params[:1]
     dim = dims[0] - len(ctx.decision.call.shapes[0])
+    if not ctx.decision.call.shapes[0]:  # a 0-d value: along a dim of its own, not the device dim
+        args, kwargs = (args[0].unsqueeze(-1), *args[1:]), kwargs
+        if "dim" in kwargs:
+            return func(*args, **{**kwargs, "dim": -1}).squeeze(-1)
+        return func(args[0], -1, *args[2:], **kwargs).squeeze(-1)
     if "dim" in kwargs:
         return func(args[0], *args[1:], **{**kwargs, "dim": dim})
     return func(args[0], dim, *args[2:], **kwargs)
@@ -449,6 +554,8 @@ register(
 def _permutation_of(name: str):
     def params(args, kwargs, tensors):
         ndim = tensors[0].ndim
+        if ndim == 0:  # torch takes dims 0 and -1 of a 0-d value: nothing to permute
+            return ((),)
         if name == "t":
             return (tuple(range(ndim))[::-1],)
         if name == "transpose":
@@ -608,7 +715,7 @@ def _cat_params(new: bool):
     def params(args, kwargs, tensors):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         ndim = tensors[0].ndim + (1 if new else 0)
-        return (dim % ndim, new)
+        return (dim % max(ndim, 1), new)  # 0-d values: torch refuses them (on meta, next)
 
     return params
 
@@ -627,21 +734,15 @@ register([torch.stack], Handler(rules.concatenation, _cat_params(True), _cat_loc
 
 
 def _split(func, args, kwargs, ctx):
+    """``split``/``chunk`` as slices of the global value, the sizes as torch gives them on a
+    plain tensor of the global shape (which also checks the arguments)."""
     x = args[0]
-    size = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("chunks"))
+    pieces = _on_meta(func, args, kwargs)
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
-    length = x.shape[dim]
-    if getattr(func, "__name__", "") == "chunk":
-        step = -(-length // size)
-        sizes = [min(step, length - s) for s in range(0, length, step)]
-    elif isinstance(size, int):
-        sizes = [min(size, length - s) for s in range(0, length, size)]
-    else:
-        sizes = list(size)
     out, start = [], 0
-    for n in sizes:
-        index = (slice(None),) * dim + (slice(start, start + n),)
-        out.append(x[index])
+    for piece in pieces:
+        n = piece.shape[dim]
+        out.append(x[(slice(None),) * dim + (slice(start, start + n),)])
         start += n
     return tuple(out)
 
@@ -658,10 +759,26 @@ def _embedding_local(func, args, kwargs, ctx):
     indices, table = args[0], args[1]
     layout = ctx.decision.inputs[1]
     rows = [a for a, p in enumerate(layout.placements) if p == Shard(0)]
+    total = ctx.decision.call.shapes[1][0]
+    if not (torch.compiler.is_compiling() or is_transformed(indices)) and math.prod(
+        ctx.decision.call.shapes[0]
+    ):
+        # refused as torch refuses it: the shards of a row-sharded table look up only their own
+        # rows (an index outside would read as zeros), and a gather from an empty table of no
+        # features reads nothing (the padding of uneven indices holds 0, a row)
+        if total == 0 or bool(((indices < 0) | (indices >= total)).any()):
+            raise IndexError(
+                explain(
+                    "torch.embedding(input)",
+                    "an index is outside the table",
+                    expected=f"indices in [0, {total})",
+                    got=f"indices {indices.unique().tolist()[:8]} for a table of {total} rows",
+                    fix="check the indices against the table's rows first",
+                )
+            )
     if not rows:
         return F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
     mesh = layout.mesh
-    total = ctx.decision.call.shapes[1][0]
     names = tuple(mesh.axis_names[a] for a in rows)
     index = backend_of(mesh).axis_index(mesh, names, indices.device)
     chunk = -(-total // mesh.axis_size(names))
@@ -855,6 +972,7 @@ def install() -> None:
             else dispatch(torch.Tensor.permute, (self, tuple(range(self.ndim))[::-1]), {})
         )
     )
+    DTensor.mT = property(lambda self: dispatch(torch.Tensor.transpose, (self, -2, -1), {}))
     DTensor.numel = lambda self: math.prod(self.shape)
     DTensor.dim = lambda self: len(self.shape)
     DTensor.ndimension = DTensor.dim
@@ -900,6 +1018,16 @@ def _cross_entropy(func, args, kwargs, ctx):
                 got=", ".join(unsupported_args) or f"target of type {type(target).__name__}",
                 fix="distribute the target (fd.distribute_tensor(t, mesh, fd.P(...))); apply class weights "
                 "or label smoothing inside fd.local_map",
+            )
+        )
+    if not logits.dtype.is_floating_point or target.dtype != torch.int64:  # as torch's kernels
+        raise InputTypeError(
+            explain(
+                "F.cross_entropy",
+                "cross_entropy takes floating logits and int64 class indices",
+                expected="logits of a floating dtype, a target of torch.int64",
+                got=f"logits of {logits.dtype}, a target of {target.dtype}",
+                fix="convert them first: F.cross_entropy(logits.float(), target.long())",
             )
         )
     dim = 1 if logits.ndim > 1 else 0

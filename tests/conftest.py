@@ -37,6 +37,11 @@ settings.register_profile(
 settings.register_profile(
     "long", max_examples=5000, deadline=None, derandomize=False, suppress_health_check=SUPPRESSED
 )
+# the fuzz suite's long run, over 10,000 drawn examples in all (docs/concepts/redistribute.md):
+# FD_PROFILE=fuzz python -m pytest tests/test_fuzz.py -m "not distributed"
+settings.register_profile(
+    "fuzz", max_examples=2100, deadline=None, derandomize=False, suppress_health_check=SUPPRESSED
+)
 settings.load_profile(os.environ.get("FD_PROFILE") or "ci")  # by default the same examples on every run
 
 

@@ -695,3 +695,206 @@ def test_an_op_keeps_the_split_order_of_its_input():
     close((a + b).full_tensor(), x + y)
     close((b * a).full_tensor(), y * x)
     close(torch.einsum("ij,ij->i", a, b).full_tensor(), (x * y).sum(1))
+
+
+def test_ops_along_a_dim_of_a_zero_d_value_and_split_checks():
+    """Regression (fuzz): softmax/cumsum/max along dim 0 or -1 of a 0-d value (as torch allows)
+    divided by zero; split of a 0-d value and chunk(0) raised ZeroDivisionError, not the
+    library's error."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = torch.tensor(1.5, dtype=torch.float64)
+    d = fd.distribute_tensor(x, mesh, fd.P())
+    for program in (
+        lambda v: F.softmax(v, 0),
+        lambda v: torch.log_softmax(v, dim=-1),
+        lambda v: torch.cumsum(v, -1),
+    ):
+        close(program(d).full_tensor(), program(x))
+    values_, indices = torch.max(d, 0)
+    close(values_.full_tensor(), x)
+    assert torch.equal(indices.full_tensor(), torch.max(x, 0).indices)
+    check(fd.ShapeError, ValueError, lambda: torch.split(d, 1, 0), "torch.split", "1-dimensional")
+    row = fd.distribute_tensor(torch.arange(10.0), mesh, fd.P("x"))
+    check(fd.ShapeError, ValueError, lambda: torch.chunk(row, 0), "torch.chunk")
+    for got, want in zip(torch.chunk(row, 4), torch.chunk(torch.arange(10.0), 4), strict=True):
+        close(got.full_tensor(), want)
+
+
+def test_matmul_of_two_dtypes_transposes_of_a_zero_d_value_and_mT():
+    """Regression (fuzz): a matmul of float32 by float16 ran (meta kernels do not check dtypes)
+    or failed in torch; transpose/t of a 0-d value divided by zero; ``x.mT`` was missing."""
+    mesh = fd.simulated_mesh(2, "x")
+    a = fd.distribute_tensor(torch.ones(2, 3), mesh, fd.P())
+    b = fd.distribute_tensor(torch.ones(3, 2, dtype=torch.float16), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: a @ b, "torch.matmul", "float16")
+    scalar = fd.distribute_tensor(torch.tensor(2.0), mesh, fd.P())
+    for program in (lambda v: v.transpose(0, -1), lambda v: v.t(), lambda v: v.T):
+        close(program(scalar).full_tensor(), torch.tensor(2.0))
+    x = values((4, 3), 1)
+    d = fd.distribute_tensor(x, mesh, fd.P("x"))
+    assert d.mT.placements == (S(1),)
+    close(d.mT.full_tensor(), x.mT)
+    check(fd.ShapeError, ValueError, lambda: scalar.mT, "torch.transpose")
+
+
+def test_an_op_that_fails_on_the_shards_is_the_librarys_error():
+    """Regression (fuzz): abs of a bool value (meta kernels do not check the dtype), and an
+    integer remainder by zero, raised torch's own errors from the shards."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    flags = fd.distribute_tensor(torch.tensor([True, False, True]), mesh, fd.P("x"))
+    check(fd.InputTypeError, TypeError, lambda: torch.abs(flags), "torch.abs", "Bool", "Fix:")
+    check(fd.InputTypeError, TypeError, lambda: flags.abs(), "torch.abs")
+    ints = fd.distribute_tensor(torch.tensor([2, 3]), mesh, fd.P())
+    with pytest.raises(fd.InputTypeError) as info:
+        torch.remainder(ints, fd.distribute_tensor(torch.tensor([0, 1]), mesh, fd.P("y")))
+    assert isinstance(info.value.__cause__, RuntimeError)  # torch's error, chained
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        lambda v: v - 0.25,
+        lambda v: v + 1,
+        lambda v: 1 - v,
+        lambda v: v + torch.tensor(1.0, dtype=torch.float64),
+        lambda v: torch.sub(v, other=1.0),
+        lambda v: 2 / v,
+        lambda v: torch.div(2, v),
+    ],
+)
+def test_a_constant_does_not_pass_through_partial_sums(program):
+    """Regression (fuzz): ``x + c`` and ``c / x`` with x Partial(sum) kept the Partial layout,
+    so every device's part took the constant (a silent wrong answer: ``c`` counted once per
+    device). Where the op is linear (``x * c``, ``x / c``, ``x + y``) the layout stays Partial."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = values((3, 4), 1)
+    p = fd.distribute_tensor(x, mesh, [fd.Partial("sum"), S(1)])
+    out = program(p)
+    assert not out.layout.has_partial
+    close(out.full_tensor(), program(x))
+    for linear in (lambda v: v * 2, lambda v: v / 2, lambda v: v + v, lambda v: torch.add(v, v, alpha=2)):
+        assert linear(p).placements == p.placements
+        close(linear(p).full_tensor(), linear(x))
+
+
+def test_norm_of_an_integer_value_is_refused_as_torch_does():
+    """Regression (fuzz): the norm of an int64 value returned a number where torch refuses."""
+    mesh = fd.simulated_mesh(2, "x")
+    d = fd.distribute_tensor(torch.arange(4), mesh, fd.P("x"))
+    check(fd.ShapeError, ValueError, lambda: d.norm(), "torch.norm", "torch.int64")
+    x = values((4, 3), 1)
+    close(torch.norm(fd.distribute_tensor(x, mesh, fd.P("x")), dim=0).full_tensor(), torch.norm(x, dim=0))
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "amax", "amin"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_an_empty_dim_list_reduces_every_dim(kind, keepdim):
+    """Regression (fuzz): ``x.sum(dim=())`` reduces every dim in torch; on a sharded value it
+    reduced none (a wrong value and shape), or failed in a reshape on the shards."""
+    mesh = fd.simulated_mesh(4, "x")
+    x = values((2, 3), 1)
+    for spec in (fd.P("x"), fd.P(), fd.P(None, "x")):
+        d = fd.distribute_tensor(x, mesh, spec)
+        for dim in ((), []):
+            out = getattr(torch, kind)(d, dim=dim, keepdim=keepdim)
+            close(out.full_tensor(), getattr(torch, kind)(x, dim=dim, keepdim=keepdim))
+    empty = fd.distribute_tensor(torch.zeros(0, dtype=torch.float64), mesh, fd.P("x"))
+    close(torch.sum(empty, dim=()).full_tensor(), torch.zeros((), dtype=torch.float64))
+
+
+def test_type_promotion_of_a_zero_d_value_with_a_dimensioned_one():
+    """Regression (fuzz): a 0-d int64 value with an int32 vector gave int64 (on the simulated
+    backend a 0-d value's stacked storage has a dim, and torch promoted it as dimensioned);
+    torch gives int32, and float16 for a 0-d float64 with a float16 vector."""
+    mesh = fd.simulated_mesh(2, "x")
+    pairs = [
+        (torch.tensor(3), torch.tensor([1, 2], dtype=torch.int32)),
+        (torch.tensor(1.5, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float16)),
+    ]
+    for a, b in pairs:
+        da, db = fd.distribute_tensor(a, mesh, fd.P()), fd.distribute_tensor(b, mesh, fd.P("x"))
+        for program in (lambda x, y: x * 2 + y - x * y, torch.maximum, lambda x, y: x > y):
+            out = program(da, db)
+            assert out.dtype == program(a, b).dtype
+            assert torch.equal(out.full_tensor(), program(a, b))
+
+
+def test_an_integer_division_by_an_uneven_value_does_not_divide_its_padding():
+    """Regression (fuzz): remainder, fmod and floor division by an integer value sharded
+    unevenly (2 elements over 64 devices) failed with torch's ZeroDivisionError: the padding of
+    the uneven shards holds zeros."""
+    mesh = fd.simulated_mesh(64, "x")
+    x, y = torch.tensor([5, 7]), torch.tensor([2, 3])
+    dx, dy = fd.distribute_tensor(x, mesh, fd.P()), fd.distribute_tensor(y, mesh, fd.P("x"))
+    programs = [
+        torch.remainder,
+        torch.fmod,
+        lambda a, b: torch.div(a, b, rounding_mode="floor"),
+        lambda a, b: a % (torch.abs(b) + 1),
+    ]
+    for program in programs:
+        assert torch.equal(program(dx, dy).full_tensor(), program(x, y))
+    assert torch.equal(torch.remainder(dx, dy + 0).full_tensor(), torch.remainder(x, y))
+
+
+def test_cat_of_zero_d_values_is_refused_as_torch_does():
+    """Regression (fuzz): torch.cat of 0-d values divided by zero in the library, where torch
+    says a zero-dimensional tensor cannot be concatenated; stacking them works."""
+    mesh = fd.simulated_mesh(2, "x")
+    a, b = (fd.distribute_tensor(torch.tensor(v), mesh, fd.P()) for v in (1.0, 2.0))
+    check(fd.ShapeError, ValueError, lambda: torch.cat([a, b]), "torch.cat", "()")
+    close(torch.stack([a, b]).full_tensor(), torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("shape", [(), (4,)])
+def test_amax_of_complex_values_is_refused_as_torch_does(shape):
+    """Regression (fuzz): amax of a 0-d complex value returned it, where torch refuses (complex
+    values have no order); the meta kernel does not check the dtype."""
+    mesh = fd.simulated_mesh(2, "x")
+    d = fd.distribute_tensor(torch.ones(shape, dtype=torch.complex64), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: torch.amax(d), "torch.amax", "complex64")
+    check(fd.InputTypeError, TypeError, lambda: d.amin(), "torch.amin")
+    close(d.sum().full_tensor(), torch.ones(shape, dtype=torch.complex64).sum())
+
+
+@pytest.mark.parametrize("table_spec", [fd.P(), fd.P("x"), fd.P(None, "x")])
+def test_an_embedding_index_outside_the_table_is_the_librarys_error(table_spec):
+    """Regression (fuzz): with the table's rows sharded, an index outside the table read as a
+    row of zeros (each shard looks up its own rows only), where torch refuses it; an empty
+    table likewise."""
+    mesh = fd.simulated_mesh(2, "x")
+    indices = fd.distribute_tensor(torch.tensor([0, 5]), mesh, fd.P())
+    table = fd.distribute_tensor(values((4, 3), 1), mesh, table_spec)
+    check(fd.InputTypeError, TypeError, lambda: F.embedding(indices, table), "torch.embedding", "5")
+    empty = fd.distribute_tensor(torch.zeros(0, 3, dtype=torch.float64), mesh, table_spec)
+    zero = fd.distribute_tensor(torch.tensor([0]), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: F.embedding(zero, empty), "torch.embedding", "0 rows")
+
+
+def test_cross_entropy_takes_floating_logits_and_int64_targets_as_torch():
+    """Regression (fuzz): cross_entropy of int64 logits returned a loss, where torch's kernel
+    refuses them."""
+    mesh = fd.simulated_mesh(2, "x")
+    target = fd.distribute_tensor(torch.tensor([0, 1]), mesh, fd.P())
+    logits = fd.distribute_tensor(torch.tensor([[1, 2], [3, 4]]), mesh, fd.P("x"))
+    check(fd.InputTypeError, TypeError, lambda: F.cross_entropy(logits, target), "F.cross_entropy", "int64")
+    narrow = fd.distribute_tensor(torch.tensor([0, 1], dtype=torch.int32), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: F.cross_entropy(logits.double(), narrow), "torch.int32")
+    close(
+        F.cross_entropy(logits.double(), target).full_tensor(),
+        F.cross_entropy(torch.tensor([[1.0, 2], [3, 4]], dtype=torch.float64), torch.tensor([0, 1])),
+    )
+
+
+@pytest.mark.parametrize("kind", ["amax", "amin", "max", "min"])
+def test_a_max_of_an_uneven_bool_value(kind):
+    """Regression (fuzz): amax/amin of a bool value sharded unevenly (or with empty shards)
+    failed in torch.iinfo(torch.bool), finding the identity for the padding."""
+    mesh = fd.simulated_mesh(4, "x")
+    for x in (torch.tensor([False, True]), torch.tensor([True, True, False]), torch.tensor([False] * 5)):
+        d = fd.distribute_tensor(x, mesh, fd.P("x"))
+        assert torch.equal(getattr(torch, kind)(d).full_tensor(), getattr(torch, kind)(x))
+        assert torch.equal(
+            getattr(torch, "amax" if "max" in kind else "amin")(d, 0).full_tensor(),
+            x.any() if "max" in kind else x.all(),
+        )

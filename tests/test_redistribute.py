@@ -22,7 +22,7 @@ from backends import (
     relayout,
     spec_of_shards,
 )
-from common import even_pairs
+from common import check, even_pairs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -498,3 +498,36 @@ def test_partial_source_gets_a_replicate_gradient():
 def test_not_a_dtensor():
     with pytest.raises(fd.InputTypeError, match="fd.distribute_tensor"):
         fd.redistribute(torch.ones(2), fd.P())
+
+
+@pytest.mark.parametrize(
+    "dtype, op", [(torch.complex64, "max"), (torch.complex128, "min"), (torch.bool, "avg")]
+)
+def test_a_partial_reduction_the_dtype_lacks_is_the_librarys_error(dtype, op):
+    """Regression (fuzz): complex Partial('max') failed in torch's amax at full_tensor, and a
+    bool Partial('avg') came back as int64 zeros; both are refused where the layout is given."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    x = torch.ones(4, 3, dtype=dtype)
+    layout = [fd.Partial(op), fd.Shard(1)]
+    check(fd.LayoutError, ValueError, lambda: fd.distribute_tensor(x, mesh, layout), "distribute_tensor")
+    check(fd.LayoutError, ValueError, lambda: fd.from_local(x, mesh, layout), "from_local", str(dtype))
+    d = fd.distribute_tensor(x, mesh, fd.P("x"))
+    check(fd.LayoutError, ValueError, lambda: fd.redistribute(d, layout), "fd.redistribute", "Fix:")
+    check(fd.LayoutError, ValueError, lambda: d.redistribute(mesh, layout), f"Partial('{op}')")
+    ok = fd.distribute_tensor(x, mesh, [fd.Partial("sum"), fd.Shard(1)])  # sum is defined on both
+    assert ok.dtype == dtype and torch.equal(ok.redistribute(mesh, fd.P()).full_tensor(), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_a_narrow_integer_average_over_many_devices_does_not_wrap(dtype):
+    """Regression (fuzz): a uint8 Partial('avg') value of 4s on 64 devices summed to 256, which
+    wraps to 0 in uint8: its full_tensor and redistributes gave 0 (and exp of it 1)."""
+    mesh = fd.simulated_mesh((8, 8), ("x", "y"))
+    info = torch.iinfo(dtype)
+    x = torch.arange(16 * 8).reshape(16, 8).remainder(7).to(dtype) + min(info.max // 2, 100)
+    for source in ([Pa("avg"), Pa("avg")], [Pa("avg"), S(0)], [S(1), Pa("avg")]):
+        d = fd.distribute_tensor(x, mesh, source)
+        assert torch.equal(d.full_tensor(), x), source
+        for target in ([R, R], [S(0), R], [R, S(0)], [S(0), S(1)], [Pa("sum"), S(0)]):
+            y = d.redistribute(mesh, target)
+            assert y.dtype == dtype and torch.equal(y.full_tensor(), x), (source, target)
