@@ -531,3 +531,21 @@ def test_a_narrow_integer_average_over_many_devices_does_not_wrap(dtype):
         for target in ([R, R], [S(0), R], [R, S(0)], [S(0), S(1)], [Pa("sum"), S(0)]):
             y = d.redistribute(mesh, target)
             assert y.dtype == dtype and torch.equal(y.full_tensor(), x), (source, target)
+
+
+@pytest.mark.meshes((2, 2))
+def test_a_narrow_integer_average_does_not_wrap_on_any_backend(backend, mesh):
+    """uint8 Partial('avg') parts of 200 average to 200: summed in int64 (on gloo too: its
+    all-reduce of the parts wrapped at 256 before)."""
+    for got in backend.run(_job_narrow_average, (2, 2), ("x", "y")):
+        assert got == [200] * 4
+
+
+def _job_narrow_average(mesh):
+    x = torch.full((4, 2), 200, dtype=torch.uint8)
+    d = fd.distribute_tensor(x, mesh, [Pa("avg"), Pa("avg")])
+    out = []
+    for target in ([R, R], [S(0), R], [R, S(0)], [S(0), S(1)]):
+        out.append(int(d.redistribute(mesh, target).full_tensor().max()))
+    out[0] = int(d.full_tensor().min())
+    return out

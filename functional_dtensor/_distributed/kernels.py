@@ -73,8 +73,10 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce(x: torch.Tensor, op: str, group, axes: tuple[str, ...]) -> torch.Tensor:
     if op == "avg" and not (x.is_floating_point() or x.is_complex()):
-        # the average of _blocks.reduce, rounded down (gloo averages integers in float)
-        return blocks.average(_all_reduce(x, "sum", group, axes), dist.get_world_size(group))
+        # the average of _blocks.reduce, rounded down (gloo averages integers in float), summed
+        # in int64 as there (a narrow integer's sum would wrap)
+        total = _all_reduce(x.to(torch.int64), "sum", group, axes)
+        return blocks.average(total, dist.get_world_size(group)).to(x.dtype)
     if _traced():
         return _wait(funcol.all_reduce(x, op, group))
     out = x.clone(memory_format=torch.contiguous_format)
