@@ -137,16 +137,17 @@ def test_forward_and_backward_per_module_of_a_parallelized_mlp(backend, mesh):
     results = backend.run(mlp_job, mesh.shape, mesh.names, timeout=300)
     expected = mlp_job(fd.simulated_mesh(mesh.shape, mesh.names))
     by_module = expected["by_module"]
-    # forward: the parameters gathered over dp in the root (FSDP); over tp, the partial output
-    # of the row-parallel layer summed in its own module
-    assert by_module["Sequential"]["forward"] == {"all_gather": 4}
+    # forward: the parameters gathered over dp in the root (FSDP: the four in one all-gather);
+    # over tp, the partial output of the row-parallel layer summed in its own module
+    assert by_module["Sequential"]["forward"] == {"all_gather": 1}
     if mesh.shape == (2, 2):
         assert by_module["2"]["forward"] == {"all_reduce": 1}
-    # backward: the gradients of the 4 gathered parameters reduced back over dp, each under the
-    # module whose backward runs then (paths relative to the root: "0", never "Sequential.0")
+    # backward: the gradients of the 4 gathered parameters reduced back over dp in one
+    # reduce-scatter, under the module whose backward runs then (paths relative to the root:
+    # "0", never "Sequential.0")
     backward = {m: phases["backward"] for m, phases in by_module.items() if "backward" in phases}
     assert set(backward) <= {"Sequential", "0", "2"} and "0" in backward
-    assert sum(n for ops in backward.values() for n in ops.values()) == 4
+    assert sum(n for ops in backward.values() for n in ops.values()) == 1
     for got in results:
         assert got == expected
 
