@@ -344,8 +344,8 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
     if (
         decision is None
         or not decision.direct
-        or torch.is_grad_enabled()
-        and decision.pvary_any
+        or decision.pvary_any
+        and torch.is_grad_enabled()
         or _VARIED  # a data-parallel forward runs (one dict's truth: the cost when none does)
     ):
         return _dispatch_tree(func, handler, args, {})

@@ -238,10 +238,19 @@ def _matmul_params(args, kwargs, tensors):
     return ()
 
 
+def _mm_local(func, args, kwargs, ctx):
+    """``mm``: matrices, so on stacked devices one per device (no ranks to look at)."""
+    a, b = args[0], args[1]
+    if ctx.lead:
+        return a * b if a.size(2) == 1 else torch.bmm(a, b)
+    return torch.mm(a, b)
+
+
 register(
-    [torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm],
+    [torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm],
     Handler(rules.matmul, _matmul_params, _matmul_local, "matmul"),
 )
+register([torch.mm, torch.Tensor.mm], Handler(rules.matmul, _matmul_params, _mm_local, "matmul"))
 
 
 def _linear(func, args, kwargs, ctx):
