@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Sequence
 
@@ -325,9 +326,9 @@ def storage_of(x: DTensor) -> torch.Tensor:
     return x._storage
 
 
-def parts_of(x: DTensor) -> tuple[torch.Tensor, Layout, torch.Size]:
-    """``x``'s storage, layout and global shape, in one call (the global ops' hot path)."""
-    return x._storage, x._layout, x._shape
+#: ``parts_of(x)``: ``x``'s storage, layout and global shape, in one C call (the global ops'
+#: hot path)
+parts_of = operator.attrgetter("_storage", "_layout", "_shape")
 
 
 def new_value(storage: torch.Tensor, layout: Layout, shape: torch.Size) -> DTensor:
