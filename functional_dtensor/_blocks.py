@@ -79,6 +79,11 @@ def memory_order(x: torch.Tensor) -> list[int] | None:
 
 def _reduce(x: torch.Tensor, op: str, dim, keepdim: bool) -> torch.Tensor:
     if op == "sum":
+        one = dim if isinstance(dim, int) else dim[0] if len(dim) == 1 else None
+        if one is not None and x.shape[one] == 2 and x.dtype != torch.bool:
+            # two parts (a pair of devices): one add, without a sum's zero fill and its loop
+            total = torch.add(x.narrow(one, 0, 1), x.narrow(one, 1, 1))
+            return total if keepdim else total.squeeze(one)
         return x.sum(dim, keepdim=keepdim, dtype=x.dtype)
     if op == "avg":
         if _floating(x):
