@@ -340,6 +340,22 @@ def new_value(storage: torch.Tensor, layout: Layout, shape: torch.Size) -> DTens
     return value
 
 
+def new_value_eager(storage: torch.Tensor, layout: Layout, shape: torch.Size) -> DTensor:
+    """:func:`new_value` through the slots' own setters: faster, for eager code only (Dynamo
+    does not trace a slot's setter)."""
+    value = _new_object(DTensor)
+    _set_storage(value, storage)
+    _set_layout(value, layout)
+    _set_shape(value, shape)
+    return value
+
+
+_new_object = object.__new__
+_set_storage = DTensor._storage.__set__
+_set_layout = DTensor._layout.__set__
+_set_shape = DTensor._shape.__set__
+
+
 def distribute_storage(tensor: torch.Tensor, layout: Layout, *, copy: bool = False) -> torch.Tensor:
     """The storage of the global ``tensor``, differentiably (``copy``: sharing no memory with
     it). Where storage and value are views of each other, their own backward reassembles the

@@ -35,7 +35,7 @@ from . import _varied as varied
 from ._backend import backend_of
 from ._blocks import valid_mask
 from ._collectives import Pvary, on_storage
-from ._dtensor import DTensor, new_value, parts_of, storage_of
+from ._dtensor import DTensor, new_value, new_value_eager, parts_of, storage_of
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, ShapeError, explain
 from ._layout import Layout
 from ._placements import Replicate
@@ -356,7 +356,7 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
     except _TORCH_ERRORS as error:
         raise _failed(handler.name, error) from error
     if type(out) is torch.Tensor and not decision.padded[0]:  # one output, no padding: the value
-        return new_value(out, decision.output, decision.out_shapes[0])
+        return new_value_eager(out, decision.output, decision.out_shapes[0])
     return _wrap(out, decision)
 
 
