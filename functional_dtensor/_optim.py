@@ -25,6 +25,7 @@ all-reduce per distinct layout, not per parameter).
 from __future__ import annotations
 
 import math
+import weakref
 
 import optree
 import torch
@@ -118,6 +119,9 @@ class Optimizer:
                 )
         self._layouts = [(leaf.layout, leaf.shape, leaf.dtype) for leaf in leaves]
         self._tensors = [self._distinct(leaf).detach().clone() for leaf in leaves]
+        # the storages the last step returned, where they share no memory with the tensors the
+        # optimizer updates: given back, their distinct blocks are those tensors already
+        self._returned: list[weakref.ref | None] = [None] * len(leaves)
         self._options = options
         self.optimizer = optimizer(self._tensors, **options)
 
@@ -182,19 +186,24 @@ class Optimizer:
         values = self._checked(params, "params", allow_none=False)
         gradients = self._checked(grads, "grads", allow_none=True)
         with torch.no_grad():
-            for tensor, value, grad in zip(self._tensors, values, gradients):
-                # fresh memory every step: the values returned last time keep theirs
-                tensor.data = self._distinct(value).detach().clone()
+            for tensor, value, grad, returned in zip(self._tensors, values, gradients, self._returned):
+                if returned is None or returned() is not storage_of(value):
+                    # fresh memory: the values returned by an earlier step keep theirs
+                    tensor.data = self._distinct(value).detach().clone()
                 # contiguous like the parameter: the elementwise update reads both in one order
                 tensor.grad = (
                     None if grad is None else self._distinct(grad).detach().to(tensor.dtype).contiguous()
                 )
             self.optimizer.step()
             out = []
-            for tensor, value, (layout, shape, _) in zip(self._tensors, values, self._layouts):
+            for i, (tensor, value, (layout, shape, _)) in enumerate(
+                zip(self._tensors, values, self._layouts)
+            ):
                 tensor.grad = None
-                storage = self._storage(tensor.data, layout, shape)
-                out.append(new_value(storage.requires_grad_(value.requires_grad), layout, shape))
+                storage = self._storage(tensor.data, layout, shape).requires_grad_(value.requires_grad)
+                shared = storage.untyped_storage().data_ptr() == tensor.data.untyped_storage().data_ptr()
+                self._returned[i] = None if shared else weakref.ref(storage)
+                out.append(new_value(storage, layout, shape))
         return optree.tree_unflatten(self._tree, out)
 
     def state_dict(self) -> dict:

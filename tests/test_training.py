@@ -286,15 +286,26 @@ class _Holder(nn.Module):
         self.w = nn.Parameter(w.clone())
 
 
-def test_optimizer_does_not_change_the_values_given():
-    mesh = fd.simulated_mesh(2, "x")
-    params = fd.parallelize_module(_Holder(torch.ones(4, 2)), mesh, {}).params
+@pytest.mark.meshes((2,))
+@pytest.mark.parametrize("spec", [fd.P(), fd.P("x")], ids=str)
+def test_optimizer_does_not_change_the_values_given(backend, mesh, spec):
+    """Neither the values given nor those returned change; a step from the last step's result
+    (whose distinct blocks the optimizer holds already) and from an older one both start from
+    the values given."""
+    backend.run(_job_optimizer_values, (2,), ("x",), spec)
+
+
+def _job_optimizer_values(mesh, spec):
+    params = {"w": fd.distribute_tensor(torch.ones(4, 2), mesh, spec)}
     opt = fd.Optimizer(torch.optim.SGD, params, lr=1.0)
     grads = {"w": fd.distribute_tensor(torch.ones(4, 2), mesh, fd.P())}
     first = opt.step(params, grads)
     second = opt.step(first, grads)
+    again = opt.step(first, grads)  # back to an older value
+    third = opt.step(again, grads)
     assert params["w"].full_tensor().eq(1).all()
     assert first["w"].full_tensor().eq(0).all() and second["w"].full_tensor().eq(-1).all()
+    assert again["w"].full_tensor().eq(-1).all() and third["w"].full_tensor().eq(-2).all()
 
 
 def test_optimizer_state_loads_onto_another_layout():
