@@ -1,15 +1,17 @@
-"""Helpers shared by several test files: the library's error contract, and drawn layout pairs
-that split evenly."""
+"""Helpers shared by several test files: the library's error contract, drawn layout pairs
+that split evenly, and a catalogue of global op calls."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
 from functional_dtensor.testing import strategies as fds
 
-__all__ = ["check", "even_pairs"]
+__all__ = ["check", "even_pairs", "op_catalogue"]
 
 
 def check(error, builtin, call, *fragments):
@@ -34,3 +36,30 @@ def even_pairs(draw):
     source = draw(fds.layouts(mesh, ndim, allow_partial=True))
     target = draw(fds.layouts(mesh, ndim, allow_partial=True))
     return mesh, shape, source, target
+
+
+def op_catalogue(mesh, x, w, idx) -> dict:
+    """Op calls on several layouts over the mesh's first and last axes (``x`` (8, 6), ``w``
+    (6, 8), ``idx`` (4, 2) indices below 8): ``"op layout-number" -> value``."""
+    names = mesh.axis_names
+    out = {}
+    for n, spec in enumerate([fd.P(), fd.P(names[0]), fd.P(None, names[-1]), fd.P(names)]):
+        d = fd.distribute_tensor(x, mesh, spec)
+        e = fd.distribute_tensor(w, mesh, fd.P(*reversed(tuple(spec))) if len(spec) else fd.P())
+        table = fd.distribute_tensor(x, mesh, fd.P(names[-1]))
+        cases = {
+            "add": d + d.sum(0),
+            "matmul": d @ e,
+            "mean": d.mean(),
+            "amax": d.amax(1),
+            "softmax": torch.softmax(d, -1),
+            "view": d.t().reshape(3, 16),
+            "index": d[1:5, ::2],
+            "cat": torch.cat([d, d * 2], 1),
+            "where": torch.where(d > 0, d, -d),
+            "einsum": torch.einsum("ij,jk->ik", d, e),
+            "embedding": F.embedding(fd.distribute_tensor(idx, mesh, fd.P(names[0])), table),
+            "cross_entropy": F.cross_entropy(d, fd.distribute_tensor(idx[:, 0].repeat(2), mesh, fd.P())),
+        }
+        out.update({f"{name} {n}": value for name, value in cases.items()})
+    return out

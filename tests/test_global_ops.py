@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import per_device
-from common import check
+from common import check, op_catalogue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -504,30 +504,9 @@ def test_redistribute_takes_torchs_form():
 
 
 def job_ops(mesh):
-    """A catalogue of op calls on several layouts: every device's output shard."""
-    names = mesh.axis_names
-    out = {}
+    """The catalogue of op calls: every device's output shard."""
     x, w, idx = values((8, 6), 1), values((6, 8), 2), torch.tensor([[0, 5], [7, 2], [3, 3], [1, 6]])
-    for n, spec in enumerate([fd.P(), fd.P(names[0]), fd.P(None, names[-1]), fd.P(names)]):
-        d = fd.distribute_tensor(x, mesh, spec)
-        e = fd.distribute_tensor(w, mesh, fd.P(*reversed(tuple(spec))) if len(spec) else fd.P())
-        table = fd.distribute_tensor(x, mesh, fd.P(names[-1]))
-        cases = {
-            "add": d + d.sum(0),
-            "matmul": d @ e,
-            "mean": d.mean(),
-            "amax": d.amax(1),
-            "softmax": torch.softmax(d, -1),
-            "view": d.t().reshape(3, 16),
-            "index": d[1:5, ::2],
-            "cat": torch.cat([d, d * 2], 1),
-            "einsum": torch.einsum("ij,jk->ik", d, e),
-            "embedding": F.embedding(fd.distribute_tensor(idx, mesh, fd.P(names[0])), table),
-            "cross_entropy": F.cross_entropy(d, fd.distribute_tensor(idx[:, 0].repeat(2), mesh, fd.P())),
-        }
-        for name, value in cases.items():
-            out[f"{name} {n}"] = list(value.local_shards())
-    return out
+    return {name: list(value.local_shards()) for name, value in op_catalogue(mesh, x, w, idx).items()}
 
 
 @pytest.mark.meshes((2,), (4,), (2, 2))

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from backends import Mesh, block, coordinates, events
 from catalogue import cases, global_inputs, mapped, pick, reference
+from common import op_catalogue
 
 import functional_dtensor as fd
 from functional_dtensor import _philox_native
@@ -201,27 +202,9 @@ def global_ops(device: str) -> dict:
     )
     idx = torch.tensor([[0, 5], [7, 2], [3, 3], [1, 6]])
     out = {}
-    for n, spec in enumerate([fd.P(), fd.P("x"), fd.P(None, "y"), fd.P(("x", "y"))]):
-        d = fd.distribute_tensor(x, mesh, spec)
-        e = fd.distribute_tensor(w, mesh, fd.P(*reversed(tuple(spec))) if len(spec) else fd.P())
-        table = fd.distribute_tensor(x, mesh, fd.P("y"))
-        ops = {
-            "add": d + d.sum(0),
-            "matmul": d @ e,
-            "mean": d.mean(),
-            "amax": d.amax(1),
-            "softmax": torch.softmax(d, -1),
-            "view": d.t().reshape(3, 16),
-            "index": d[1:5, ::2],
-            "cat": torch.cat([d, d * 2], 1),
-            "where": torch.where(d > 0, d, -d),
-            "einsum": torch.einsum("ij,jk->ik", d, e),
-            "embedding": F.embedding(fd.distribute_tensor(idx, mesh, fd.P("x")), table),
-            "cross_entropy": F.cross_entropy(d, fd.distribute_tensor(idx[:, 0].repeat(2), mesh, fd.P())),
-        }
-        for name, value in ops.items():
-            on_device(list(value.local_shards()), device)
-            out[f"{name} {n}"] = list(value.local_shards())
+    for name, value in op_catalogue(mesh, x, w, idx).items():
+        on_device(list(value.local_shards()), device)
+        out[name] = list(value.local_shards())
     w1 = w.to(device).requires_grad_()
     h = torch.relu(fd.distribute_tensor(x, mesh, fd.P("x")) @ fd.distribute_tensor(w1, mesh, fd.P(None, "y")))
     loss = F.softmax(h, -1).square().sum()
