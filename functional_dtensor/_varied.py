@@ -102,19 +102,14 @@ class _VaryAll(torch.autograd.Function):
         if backend.stacked and not any([g.requires_grad for g in present]):
             # one process: each gradient summed where it lies (no concatenation to copy, no copy
             # of a transposed gradient), recorded as the one bucketed all-reduce of the ranks
-            nbytes = sum([g[0].numel() * g.element_size() for g in present])
-            backend.count_bytes("all_reduce", ctx.axes, nbytes, ctx.mesh.axis_size(ctx.axes))
+            _count_bucket("all_reduce", present, ctx.mesh, ctx.axes)
             summed = [
                 None if g is None else backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False) for g in grads
             ]
             return (None, None, *summed)
         lead = 1 if backend.stacked else 0
         out = list(grads)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, g in enumerate(grads):
-            if g is not None:
-                by_dtype.setdefault(g.dtype, []).append(i)
-        for indices in by_dtype.values():
+        for indices in _by_dtype(grads):
             parts = [grads[i] for i in indices]
             flat = torch.cat([g.reshape(*g.shape[:lead], -1) for g in parts], dim=lead)
             summed = on_storage(flat, ctx.mesh, AllReduce, ctx.axes, op="sum", transpose_psum=True)
@@ -152,18 +147,26 @@ def gather_unit(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> li
     return [mark(g, {axis, *axes_of(s)}) for g, s in zip(gathered, storages)]
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+def _count_bucket(op: str, storages: list[torch.Tensor], mesh: DeviceMesh, axes: tuple[str, ...]) -> None:
+    """Record ``op`` on stacked ``storages``, run one by one where they lie, as the one
+    bucketed collective the ranks run (the bytes of all of them per device)."""
+    nbytes = sum([s[0].numel() * s.element_size() for s in storages])
+    backend_of(mesh).count_bytes(op, axes, nbytes, mesh.axis_size(axes))
+
+
+def _by_dtype(tensors) -> list[list[int]]:
+    """The indices of ``tensors`` (None left out), grouped by dtype: one bucket each."""
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
+        if t is not None:
+            groups.setdefault(t.dtype, []).append(i)
     return list(groups.values())
 
 
 def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
     backend, size = backend_of(mesh), mesh.axis_size((axis,))
     if backend.stacked:  # one process: each where it lies, recorded as the ranks' one collective
-        nbytes = sum([s[0].numel() * s.element_size() for s in storages])
-        backend.count_bytes("all_gather", (axis,), nbytes, size)
+        _count_bucket("all_gather", storages, mesh, (axis,))
         return [backend.all_gather(s, mesh, (axis,), 0, True, counted=False) for s in storages]
     out: list[torch.Tensor] = list(storages)
     for group in _by_dtype(storages):
@@ -181,8 +184,7 @@ def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list
 def _scattered(grads: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
     backend, size = backend_of(mesh), mesh.axis_size((axis,))
     if backend.stacked:
-        nbytes = sum([g[0].numel() * g.element_size() for g in grads])
-        backend.count_bytes("reduce_scatter", (axis,), nbytes, size)
+        _count_bucket("reduce_scatter", grads, mesh, (axis,))
         return [backend.reduce_scatter(g, mesh, (axis,), 0, True, counted=False) for g in grads]
     out: list[torch.Tensor] = list(grads)
     for group in _by_dtype(grads):
