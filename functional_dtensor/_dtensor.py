@@ -607,6 +607,17 @@ def distribute_tensor(
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
     if layout.has_partial:
         check_partial_dtype(layout, tensor.dtype, f"{api}(placements)")
+    if tensor.is_meta and layout.mesh.device_type != "meta":
+        raise InputTypeError(
+            explain(
+                f"{api}(tensor)",
+                "a meta tensor holds shapes, no values to lay out",
+                expected=f"a tensor with values (the mesh's devices are {layout.mesh.device_type!r})",
+                got=f"a meta tensor of shape {tuple(tensor.shape)}",
+                fix="for a value of shapes only: fd.empty(shape, mesh=mesh, placements=..., device='meta'); "
+                "for a module made on the meta device: module.to_empty(device='cpu'), initialized, first",
+            )
+        )
     moved = tensor.to(layout.mesh.device_type)
     storage = distribute_storage(moved, layout, copy=copy and moved is tensor)
     return DTensor(storage, layout, tensor.shape)

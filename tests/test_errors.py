@@ -69,6 +69,7 @@ CASES = [
     ("distribute-shard-negative-dim", lambda: fd.distribute_tensor(T, MESH, [fd.Shard(-3), fd.Replicate()]), fd.LayoutError, ValueError, ["placements[0]", "-3"]),
     ("distribute-0d-shard", lambda: fd.distribute_tensor(torch.tensor(1.0), MESH_1D, [fd.Shard(0)]), fd.LayoutError, ValueError, ["placements[0]", "0-d", "replicated or partial"]),
     ("distribute-count", lambda: fd.distribute_tensor(T, MESH, [fd.Shard(0)]), fd.LayoutError, ValueError, ["fd.distribute_tensor(placements)", "2 for mesh axes", "1: S(0)"]),
+    ("distribute-meta", lambda: fd.distribute_tensor(torch.empty(4, 2, device="meta"), MESH_1D, fd.P("x")), fd.InputTypeError, TypeError, ["fd.distribute_tensor(tensor)", "meta tensor", "to_empty"]),
     ("distribute-placement-type", lambda: fd.distribute_tensor(T, MESH, ["S0", fd.Replicate()]), fd.InputTypeError, TypeError, ["fd.distribute_tensor(placements[0])", "'S0'"]),
     ("distribute-placements-type", lambda: fd.distribute_tensor(T, MESH, "x"), fd.InputTypeError, TypeError, ["fd.distribute_tensor(placements)", "str"]),
     ("distribute-list", lambda: fd.distribute_tensor([1.0, 2.0], MESH_1D, fd.P()), fd.InputTypeError, TypeError, ["fd.distribute_tensor(tensor)", "list", "torch.as_tensor"]),
