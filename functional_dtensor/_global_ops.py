@@ -54,6 +54,7 @@ __all__ = [
     "decide",
     "decision_for",
     "unsupported",
+    "refused",
 ]
 
 
@@ -172,15 +173,7 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
     try:
         out = func(*meta_args, **meta_kwargs)
     except (RuntimeError, TypeError, ValueError, IndexError) as error:
-        raise ShapeError(
-            explain(
-                f"torch.{handler.name}",
-                "the op does not take these arguments (as on one device)",
-                expected="the shapes, dtypes and arguments the op takes on plain tensors",
-                got=f"{', '.join(str(tuple(t.shape)) for t in tensors)}: {str(error).splitlines()[0]}",
-                fix="check the call on plain tensors of these global shapes first",
-            )
-        ) from None
+        raise refused(handler.name, ", ".join(str(tuple(t.shape)) for t in tensors), error) from None
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     shapes = tuple(tuple(t.shape) for t in tensors)
     call = rules.Call(shapes, tuple(outs[0].shape), params)
@@ -242,6 +235,20 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
 
 
 # --- dispatch ---------------------------------------------------------------------------------
+
+
+def refused(name: str, inputs: str, error: Exception) -> ShapeError:
+    """The library's error for arguments torch refuses on meta tensors of the global shapes
+    (``inputs``: those shapes, as the message says them), as it would on one device."""
+    return ShapeError(
+        explain(
+            f"torch.{name}",
+            "the op does not take these arguments (as on one device)",
+            expected="the shapes, dtypes and arguments the op takes on plain tensors",
+            got=f"{inputs}: {str(error).splitlines()[0]}",
+            fix="check the call on plain tensors of these global shapes first",
+        )
+    )
 
 
 def _check_values(name: str, leaves, tensors: list[DTensor]) -> None:

@@ -20,7 +20,7 @@ from ._blocks import valid_mask
 from ._dtensor import DTensor, distribute_tensor, from_local, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
 from ._factories import empty, full, ones, zeros
-from ._global_ops import Handler, dispatch, register, resolved
+from ._global_ops import Handler, dispatch, refused, register, resolved
 from ._placements import Replicate, Shard
 from ._sharding import shard_table
 
@@ -433,15 +433,7 @@ def _on_meta(func, args, kwargs):
     try:
         return func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
     except (RuntimeError, TypeError, ValueError, IndexError) as error:
-        raise ShapeError(
-            explain(
-                f"torch.{getattr(func, '__name__', 'op')}",
-                "the op does not take these arguments (as on one device)",
-                expected="the shapes, dtypes and arguments the op takes on plain tensors",
-                got=f"{tuple(x.shape)} {x.dtype}: {str(error).splitlines()[0]}",
-                fix="check the call on a plain tensor of this global shape first",
-            )
-        ) from None
+        raise refused(getattr(func, "__name__", "op"), f"{tuple(x.shape)} {x.dtype}", error) from None
 
 
 def _norm(func, args, kwargs, ctx):
