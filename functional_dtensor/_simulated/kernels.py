@@ -62,15 +62,15 @@ def _from_groups(y: torch.Tensor, mesh: DeviceMesh, order: tuple[int, ...]) -> t
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
     """Reduced on the mesh grid over the axes' dims, then one copy to every device, in ``x``'s
     memory order (a transposed gradient stays transposed: no transposing copy)."""
-    order = blocks.memory_order(x) or list(range(x.dim()))
-    if order[0] != 0:  # the device dim is not the outermost: the blocks are views of one tensor
-        order = [0, *[d for d in order if d != 0]]
-    in_memory_order = x.permute(order)  # a view
-    grid = in_memory_order.reshape(*mesh.shape, *in_memory_order.shape[1:])
+    order = blocks.memory_order(x)  # None: x is in memory order already
+    if order is not None:  # the device dim stays first (it may not be outermost for views)
+        x = x.permute(0, *[d for d in order if d != 0])
+    grid = x.reshape(*mesh.shape, *x.shape[1:])
     dims = tuple(sorted([mesh.axis_position(a) for a in axes]))
-    reduced = blocks.reduce(grid, op, dims, keepdim=True)
-    out = reduced.expand(grid.shape).contiguous().view(in_memory_order.shape)
-    return out.permute(sorted(range(x.dim()), key=order.__getitem__))
+    out = blocks.reduce(grid, op, dims, keepdim=True).expand(grid.shape).contiguous().view(x.shape)
+    if order is None:
+        return out
+    return out.permute(sorted(range(x.dim()), key=[0, *[d for d in order if d != 0]].__getitem__))
 
 
 def all_gather(
