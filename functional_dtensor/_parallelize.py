@@ -543,7 +543,7 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
     for unit, names in managed.items():
         axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
-        modules[unit].register_forward_pre_hook(_gather_hook(names, places, axis))
+        modules[unit].register_forward_pre_hook(_gather_hook(names, places, mesh, axis))
     if root_fns is not None:
         input_fn, output_fn = root_fns
         if input_fn is not None:
@@ -578,7 +578,7 @@ def _output_hook(mesh, axis, wanted, where):
     return hook
 
 
-def _gather_hook(names, places, axis):
+def _gather_hook(names, places, mesh, axis):
     """Before a FullyShard module's forward: its parameters, gathered over the data axis,
     replace the sharded ones for this call (their gradients flow back to the shards). Those
     whose blocks have one shape on every device go in one all-gather (their gradients in one
@@ -592,14 +592,10 @@ def _gather_hook(names, places, axis):
             if isinstance(value, DTensor):
                 values[name] = value
         even = [n for n, v in values.items() if _even_on_dim0(v)]
-        if even:
-            mesh = values[even[0]].device_mesh
-            storages = varied.gather_unit([storage_of(values[n]) for n in even], mesh, axis)
-            gathered = {
-                n: new_value(s, _gathered(values[n].layout), values[n].shape) for n, s in zip(even, storages)
-            }
-        else:
-            gathered = {}
+        storages = varied.gather_unit([storage_of(values[n]) for n in even], mesh, axis)
+        gathered = {
+            n: new_value(s, _gathered(values[n].layout), values[n].shape) for n, s in zip(even, storages)
+        }
         for name, value in values.items():
             if name not in gathered:
                 gathered[name] = gather_varied(value, _gathered(value.layout), (axis,))
