@@ -363,7 +363,7 @@ def distribute_storage(tensor: torch.Tensor, layout: Layout, *, copy: bool = Fal
     backend = backend_of(layout.mesh)
     if backend.splits_as_views(layout, tuple(tensor.shape)):
         return backend.distribute(tensor, layout, copy=copy)
-    return autograd.apply(_Distribute, tensor, layout, copy)
+    return autograd.apply(_Distribute, tensor, layout, copy, without_partial(layout))
 
 
 def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
@@ -371,7 +371,7 @@ def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]
     backend = backend_of(layout.mesh)
     if backend.splits_as_views(layout, shape):
         return backend.gather(storage, layout, shape)
-    return autograd.apply(_FullTensor, storage, layout, shape)
+    return autograd.apply(_FullTensor, storage, layout, shape, without_partial(layout))
 
 
 @cached(1024)
@@ -390,56 +390,58 @@ def without_partial(layout: Layout) -> Layout:
 class _Distribute(torch.autograd.Function):
     """Global tensor -> storage. The gradient of a global value is global: its cotangent is the
     same on every replica (and every Partial part), so the backward reassembles the global
-    cotangent from one replica of each shard (DTensor: a Partial source gets a Replicate
-    gradient)."""
+    cotangent from one replica of each shard, read in layout ``back`` (DTensor: a Partial
+    source gets a Replicate gradient). That backward's own backward is this forward again
+    (each is the other's transpose, to every order)."""
 
     @staticmethod
-    def forward(tensor, layout, copy):
+    def forward(tensor, layout, copy, back):
         return backend_of(layout.mesh).distribute(tensor, layout, copy=copy)
 
     @staticmethod
-    def vmap(info, in_dims, tensor, layout, copy):
+    def vmap(info, in_dims, tensor, layout, copy, back):
         # a mapped batch becomes one more trailing dim of the value, whole on every device
-        return autograd.apply(_Distribute, tensor.movedim(in_dims[0], -1), layout, copy), -1
+        return autograd.apply(_Distribute, tensor.movedim(in_dims[0], -1), layout, copy, back), -1
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.layout, ctx.shape, ctx.copy = inputs[1], tuple(inputs[0].shape), inputs[2]
+        ctx.layout, ctx.shape, ctx.copy, ctx.back = inputs[1], tuple(inputs[0].shape), inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_FullTensor, g, without_partial(ctx.layout), ctx.shape), None, None
+        return autograd.apply(_FullTensor, g, ctx.back, ctx.shape, ctx.layout), None, None, None
 
     @staticmethod
-    def jvp(ctx, t, _layout, _copy):
-        return autograd.apply(_Distribute, t, ctx.layout, ctx.copy)
+    def jvp(ctx, t, _layout, _copy, _back):
+        return autograd.apply(_Distribute, t, ctx.layout, ctx.copy, ctx.back)
 
 
 @autograd.compilable
 class _FullTensor(torch.autograd.Function):
     """Storage -> global tensor. Backward: every device gets its block of the (replicated)
-    global cotangent, with no communication."""
+    global cotangent, laid out by ``back``, with no communication; its own backward is this
+    forward again."""
 
     @staticmethod
-    def forward(storage, layout, shape):
+    def forward(storage, layout, shape, back):
         return backend_of(layout.mesh).gather(storage, layout, shape)
 
     @staticmethod
-    def vmap(info, in_dims, storage, layout, shape):
+    def vmap(info, in_dims, storage, layout, shape, back):
         moved = storage.movedim(in_dims[0], -1)
-        return autograd.apply(_FullTensor, moved, layout, (*shape, moved.shape[-1])), -1
+        return autograd.apply(_FullTensor, moved, layout, (*shape, moved.shape[-1]), back), -1
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.layout, ctx.shape = inputs[1], inputs[2]
+        ctx.layout, ctx.shape, ctx.back = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_Distribute, g, without_partial(ctx.layout), False), None, None
+        return autograd.apply(_Distribute, g, ctx.back, False, ctx.layout), None, None, None
 
     @staticmethod
-    def jvp(ctx, t, _layout, _shape):
-        return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
+    def jvp(ctx, t, _layout, _shape, _back):
+        return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape, ctx.back)
 
 
 @autograd.compilable
@@ -486,7 +488,7 @@ class _FullTensorWithGrad(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _layout, _grad, _shape):
-        return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape)
+        return autograd.apply(_FullTensor, t, ctx.layout, ctx.shape, without_partial(ctx.layout))
 
 
 def _relayout(storage: torch.Tensor, source: Layout, target: Layout, shape: tuple[int, ...]) -> torch.Tensor:

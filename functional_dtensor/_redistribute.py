@@ -193,14 +193,14 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        source, target, steps = ctx.back  # the cotangent moves to the source (Partial as Replicate)
-        if source == target:
-            return g, None, None, None, None, None
-        # its own backward: the cotangent moves back the way the forward went, Partial as
-        # Replicate (a part's cotangent is the whole cotangent: gather_varied's gradient, a
-        # reduce-scatter of parts, transposes to an all-gather, not to a split into parts)
-        back_to = without_partial(source)
-        again = (target, back_to, _steps(target, back_to, ctx.shape, g, True))
+        # the cotangent moves to the source (Partial as Replicate: a part's cotangent is the
+        # whole cotangent); the move is itself a redistribute whose backward is this one's
+        # forward (each the other's transpose, as JAX's psum and pvary, all_gather and
+        # psum_scatter), so every order of differentiation holds. Where the forward only sums
+        # parts (Partial -> Replicate), the move changes no storage but is still a node: its
+        # transpose, in a second derivative, sums the devices' contributions
+        source, target, steps = ctx.back
+        again = (ctx.source, ctx.target, ctx.steps)
         return (
             autograd.apply(_Redistribute, g, source, target, ctx.shape, steps, again),
             None,
