@@ -45,6 +45,7 @@ __all__ = [
     "reshape",
     "concatenation",
     "embedding",
+    "gather",
 ]
 
 R = Replicate()
@@ -220,4 +221,22 @@ def embedding(call: Call) -> list[Option]:
     for d in range(len(indices)):
         if indices[d] > 1:
             options.append(Option((Shard(d), R), Shard(d)))
+    return options
+
+
+def gather(call: Call) -> list[Option]:
+    """``gather(input, dim, index)`` (``params = (dim,)``): the index sharded on ``dim`` (the
+    input replicated: each device gathers its own indices); both sharded alike on another dim
+    of one size; the input sharded on ``dim``: each device gathers from the block it holds,
+    zeros elsewhere, and the output is their ``Partial(sum)``; a ``Partial(sum)`` input."""
+    (dim,) = call.params
+    x, index = call.shapes
+    options = [Option((R, R), R), Option((SUM, R), SUM)]
+    for d in range(len(index)):
+        if d == dim and index[d] > 1:
+            options.append(Option((R, Shard(d)), Shard(d)))
+        elif d != dim and index[d] > 1 and x[d] == index[d]:
+            options.append(Option((Shard(d), Shard(d)), Shard(d)))
+    if x and x[dim] > 1:
+        options.append(Option((Shard(dim), R), SUM))
     return options

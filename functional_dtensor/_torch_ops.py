@@ -17,11 +17,12 @@ from . import _rules as rules
 from . import random as fd_random
 from ._backend import backend_of, is_transformed
 from ._blocks import valid_mask
-from ._dtensor import DTensor, distribute_tensor, from_local, storage_of, without_partial
+from ._cache import cached
+from ._dtensor import DTensor, from_local, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
 from ._factories import empty, full, ones, zeros
 from ._global_ops import Handler, dispatch, refused, register, resolved
-from ._placements import Replicate, Shard
+from ._placements import Shard
 from ._sharding import shard_table
 
 __all__: list[str] = []
@@ -186,17 +187,53 @@ register([torch.Tensor.detach, torch.detach], Handler(rules.linear, _none, _plai
 # --- matmul ------------------------------------------------------------------------------------
 
 
+class _Bmm(torch.autograd.Function):
+    """``torch.bmm`` whose gradient of ``b`` has ``b``'s memory order, as torch's ``mm`` gives
+    it: ``b`` a transposed view (``x @ w.t()``, a linear layer's weight), its gradient is the
+    transpose of a row-major product, so the weight's own gradient is row-major (an optimizer
+    reads it in one pass; a transposed one it reads several times slower). The backward is
+    products of the inputs, so every order of differentiation works."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        return torch.bmm(a, b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = torch.bmm(grad, b.mT) if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = torch.bmm(grad.mT, a).mT if b.mT.is_contiguous() else torch.bmm(a.mT, grad)
+        return grad_a, grad_b
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One product per device (or batch); a contraction of length one is a broadcast product
+    (one kernel) where the dtype is one every device multiplies matrices of."""
+    if a.size(2) == 1 and a.is_floating_point():
+        return a * b
+    if b.requires_grad and b.mT.is_contiguous() and not b.is_contiguous():
+        return _Bmm.apply(a, b)
+    return torch.bmm(a, b)
+
+
 def _matmul_local(func, args, kwargs, ctx):
     a, b = args[0], args[1]
     dims = a.dim(), b.dim()
     if dims == (3, 3) and (ctx.lead or a.size(0) == b.size(0)):  # a matrix per device, or per batch
-        # the same products: a contraction of length one is a broadcast product (one kernel)
-        return a * b if a.size(2) == 1 else torch.bmm(a, b)
+        return _bmm(a, b)
     if ctx.lead and dims[1] == 3 and dims[0] > 3:
         # a batch of rows times one matrix per device: the rows folded into one product per
         # device (broadcasting the matrix over the batch would copy it and split the product)
         rows = a.reshape(a.shape[0], -1, a.shape[-1])
-        return torch.bmm(rows, b).reshape(*a.shape[:-1], b.shape[-1])
+        return _bmm(rows, b).reshape(*a.shape[:-1], b.shape[-1])
     if ctx.lead and dims[0] != dims[1]:  # align batch dims after the device dim
         ndim = len(ctx.decision.out_shapes[0])
         a, b = [x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b)]
@@ -241,9 +278,7 @@ def _matmul_params(args, kwargs, tensors):
 def _mm_local(func, args, kwargs, ctx):
     """``mm``: matrices, so on stacked devices one per device (no ranks to look at)."""
     a, b = args[0], args[1]
-    if ctx.lead:
-        return a * b if a.size(2) == 1 else torch.bmm(a, b)
-    return torch.mm(a, b)
+    return _bmm(a, b) if ctx.lead else torch.mm(a, b)
 
 
 register(
@@ -491,15 +526,32 @@ def _normalized(args, kwargs):
     return len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
 
 
+#: per-device elements from which a stacked op runs torch's fused kernel once per device (the
+#: kernels outweigh a call per device) rather than a batched form of several kernels
+PER_DEVICE_KERNEL = 1 << 14
+
+
 def _normalization(*names: str):
-    """``layer_norm`` / ``rms_norm``: on one rank's shard, the op itself; on stacked devices,
-    normalized without its affine weights, which are then applied elementwise in one kernel
-    (each device's copy of a replicated weight takes its own gradient)."""
+    """``layer_norm`` / ``rms_norm``: on one rank's shard, the op itself. On stacked devices
+    (each device's copy of a replicated weight takes its own gradient): large shards run the
+    fused op once per device with that device's weights (forward and backward one kernel
+    each); small ones are normalized at once without the affine weights, which are then
+    applied elementwise in one kernel."""
 
     def local(func, args, kwargs, ctx):
         bound = dict(zip(("input", "normalized_shape", *names), args)) | kwargs
         if not ctx.lead:
             return func(**bound)
+        x = bound.pop("input")
+        if x[0].numel() >= PER_DEVICE_KERNEL:
+            per_device = {k: v.unbind(0) for k, v in bound.items() if isinstance(v, torch.Tensor)}
+            return torch.stack(
+                [
+                    func(x_k, **(bound | {k: parts[i] for k, parts in per_device.items()}))
+                    for i, x_k in enumerate(x.unbind(0))
+                ]
+            )
+        bound["input"] = x
         affine = [bound.pop(name, None) for name in ("weight", "bias")]
         out = func(**bound)
         (weight, bias), _ = _align(affine, {}, ctx)
@@ -756,43 +808,56 @@ register(
 # --- embedding ---------------------------------------------------------------------------------
 
 
+def _check_indices(indices, total: int, where: str, of: str, ctx) -> None:
+    """Indices into a dim of ``total`` are inside it (refused as torch refuses them): a device
+    that holds one block of the dim looks up only its own (an index outside it would read as
+    zeros), and the padding of uneven indices holds 0, an index."""
+    if torch.compiler.is_compiling() or is_transformed(indices) or not indices.numel():
+        return
+    if total == 0 or bool(((indices < 0) | (indices >= total)).any()):
+        raise InputTypeError(
+            explain(
+                where,
+                "an index is outside the dim it indexes",
+                expected=f"indices in [0, {total})",
+                got=f"indices {indices.unique().tolist()[:8]} for {of}",
+                fix="check the indices against the dim's size first",
+            )
+        )
+
+
+@cached(1024)
+def _block_bounds(layout, shape: tuple[int, ...], dim: int, device: str) -> torch.Tensor:
+    """``(2, n)``: where each device's block of dim ``dim`` starts, and its length."""
+    table = shard_table(layout, shape)
+    return torch.tensor(
+        [[o[dim] for o in table.offsets], [s[dim] for s in table.local_shapes]], device=device
+    )
+
+
+def _into_block(indices, layout, shape: tuple[int, ...], dim: int, size: int, ctx):
+    """Global ``indices`` into dim ``dim`` of a value of global ``shape`` laid out by
+    ``layout``, each device holding a block of ``size`` (in storage, padding included): each
+    device's indices into its own block (clamped into it) and where they fall inside it."""
+    mesh = layout.mesh
+    device = backend_of(mesh).axis_index(mesh, mesh.axis_names, indices.device)
+    start, length = _block_bounds(layout, shape, dim, str(indices.device))[:, device]
+    if ctx.lead:
+        start, length = (t.reshape(-1, *[1] * (indices.dim() - 1)) for t in (start, length))
+    local = indices - start
+    return local.clamp(0, max(size - 1, 0)), (local >= 0) & (local < length)
+
+
 def _embedding_local(func, args, kwargs, ctx):
     indices, table = args[0], args[1]
     layout = ctx.decision.inputs[1]
-    rows = [a for a, p in enumerate(layout.placements) if p == Shard(0)]
     total = ctx.decision.call.shapes[1][0]
-    if not (torch.compiler.is_compiling() or is_transformed(indices)) and math.prod(
-        ctx.decision.call.shapes[0]
-    ):
-        # refused as torch refuses it: the shards of a row-sharded table look up only their own
-        # rows (an index outside would read as zeros), and a gather from an empty table of no
-        # features reads nothing (the padding of uneven indices holds 0, a row)
-        if total == 0 or bool(((indices < 0) | (indices >= total)).any()):
-            raise IndexError(
-                explain(
-                    "torch.embedding(input)",
-                    "an index is outside the table",
-                    expected=f"indices in [0, {total})",
-                    got=f"indices {indices.unique().tolist()[:8]} for a table of {total} rows",
-                    fix="check the indices against the table's rows first",
-                )
-            )
-    if not rows:
+    if math.prod(ctx.decision.call.shapes[0]):
+        _check_indices(indices, total, "torch.embedding(input)", f"a table of {total} rows", ctx)
+    if not layout.sharding_axes(0):
         return F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
-    mesh = layout.mesh
-    names = tuple(mesh.axis_names[a] for a in rows)
-    index = backend_of(mesh).axis_index(mesh, names, indices.device)
-    chunk = -(-total // mesh.axis_size(names))
-    start = torch.clamp(index * chunk, max=total)
-    if ctx.lead:
-        start = start.reshape(-1, *[1] * (indices.dim() - 1))
-    local = indices - start
-    inside = (local >= 0) & (local < table.shape[-2])
-    picked = (
-        _stacked_embedding(local.clamp(0, table.shape[-2] - 1), table)
-        if ctx.lead
-        else F.embedding(local.clamp(0, table.shape[0] - 1), table)
-    )
+    local, inside = _into_block(indices, layout, ctx.decision.call.shapes[1], 0, table.shape[-2], ctx)
+    picked = _stacked_embedding(local, table) if ctx.lead else F.embedding(local, table)
     return picked * inside.unsqueeze(-1)
 
 
@@ -805,6 +870,36 @@ def _stacked_embedding(indices, table):
 
 
 register([F.embedding], Handler(rules.embedding, _none, _embedding_local, "embedding"))
+
+
+def _gather_params(args, kwargs, tensors):
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    return (dim % max(tensors[0].ndim, 1),)
+
+
+def _gather_local(func, args, kwargs, ctx):
+    """``torch.gather`` on each device's blocks; from a block of a sharded ``dim``, the
+    indices that fall in it (zeros elsewhere: the Partial sum of the devices')."""
+    x, index = args[0], args[2] if len(args) > 2 else kwargs["index"]
+    sparse = kwargs.get("sparse_grad", False)
+    (dim,) = ctx.decision.call.params
+    shape = ctx.decision.call.shapes[0]
+    total = shape[dim] if shape else 1
+    _check_indices(index, total, "torch.gather(index)", f"a dim of {total}", ctx)
+    if not shape:  # a 0-d input: along a dim of its own, not the device dim
+        return torch.gather(x.unsqueeze(-1), -1, index.unsqueeze(-1), sparse_grad=sparse).squeeze(-1)
+    local_dim = dim - len(shape)  # from the end: the device dim leads
+    layout = ctx.decision.inputs[0]
+    if not layout.sharding_axes(dim):
+        return torch.gather(x, local_dim, index, sparse_grad=sparse)
+    size = x.shape[local_dim]
+    if size == 0:  # a rank that holds none of the dim
+        return torch.zeros(index.shape, dtype=x.dtype, device=x.device)
+    local, inside = _into_block(index, layout, ctx.decision.call.shapes[0], dim, size, ctx)
+    return torch.gather(x, local_dim, local, sparse_grad=sparse) * inside
+
+
+register([torch.gather, torch.Tensor.gather], Handler(rules.gather, _gather_params, _gather_local, "gather"))
 
 
 # --- values, not layouts -----------------------------------------------------------------------
@@ -993,6 +1088,11 @@ install()
 # --- losses ------------------------------------------------------------------------------------
 
 
+def _whole(value: DTensor) -> DTensor:
+    """``value`` with its Partial axes reduced."""
+    return value.redistribute(without_partial(value.layout)) if value.layout.has_partial else value
+
+
 def _cross_entropy(func, args, kwargs, ctx):
     """``F.cross_entropy`` of class logits and integer targets, as global ops: a stable
     log-softmax over the class dim and a one-hot pick. Where the class dim is sharded (loss
@@ -1032,19 +1132,33 @@ def _cross_entropy(func, args, kwargs, ctx):
             )
         )
     dim = 1 if logits.ndim > 1 else 0
+    ignore_index = bound.get("ignore_index", -100)
+    keep = torch.ne(target, ignore_index)
     classes = logits.shape[dim]
-    shifted = torch.sub(logits, logits.detach().amax(dim, keepdim=True))
-    log_probs = torch.sub(shifted, shifted.exp().sum(dim, keepdim=True).log())
-    view = [1] * logits.ndim
-    view[dim] = classes
-    index = distribute_tensor(
-        torch.arange(classes, device=logits.device_mesh.device_type).view(view),
-        logits.device_mesh,
-        [Replicate()] * logits.device_mesh.ndim,
-    )
-    picked = torch.mul(log_probs, torch.eq(target.unsqueeze(dim), index)).sum(dim)
-    keep = torch.ne(target, bound.get("ignore_index", -100))
-    losses = torch.neg(torch.mul(picked, keep))
+    held = storage_of(target)  # each rank checks its own (the padding of uneven ones holds 0)
+    checked = not (torch.compiler.is_compiling() or is_transformed(held) or target.layout.has_partial)
+    outside = (held != ignore_index) & ((held < 0) | (held >= classes)) if checked else None
+    if checked and bool(outside.any()):
+        raise InputTypeError(
+            explain(
+                "torch.nn.functional.cross_entropy(target)",
+                "a target is a class index (or the ignore_index)",
+                expected=f"targets in [0, {classes}) or {ignore_index}",
+                got=f"targets {held[outside].unique().tolist()[:8]}",
+                fix="check the targets against the number of classes first",
+            )
+        )
+    # of a sharded class dim, the maxima and sums are Partial: each reduced once, here
+    top = _whole(logits.detach().amax(dim, keepdim=True))
+    log_total = torch.add(_whole(torch.sub(logits, top).exp().sum(dim)).log(), top.squeeze(dim))
+    # the target's logit; an ignored target (any value) reads class 0, multiplied by 0 after
+    safe = torch.where(keep, target, 0)
+    picked = torch.gather(logits, dim, safe.unsqueeze(dim)).squeeze(dim)
+    if picked.layout.has_partial and picked.layout != log_total.layout:
+        # the class dim sharded: the loss stays a Partial sum (the row totals as parts, with no
+        # communication) until it is reduced, as the one-hot pick's did
+        log_total = log_total.redistribute(picked.layout)
+    losses = torch.mul(torch.sub(log_total, picked), keep)
     reduction = bound.get("reduction", "mean")
     if reduction == "none":
         return losses

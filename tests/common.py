@@ -59,7 +59,9 @@ def op_catalogue(mesh, x, w, idx) -> dict:
             "where": torch.where(d > 0, d, -d),
             "einsum": torch.einsum("ij,jk->ik", d, e),
             "embedding": F.embedding(fd.distribute_tensor(idx, mesh, fd.P(names[0])), table),
-            "cross_entropy": F.cross_entropy(d, fd.distribute_tensor(idx[:, 0].repeat(2), mesh, fd.P())),
+            "gather": torch.gather(d, 0, fd.distribute_tensor(idx, mesh, fd.P(names[0]))),
+            "gather rows": torch.gather(d, 1, fd.distribute_tensor(idx % 6, mesh, fd.P())),
+            "cross_entropy": F.cross_entropy(d, fd.distribute_tensor(idx[:, 0].repeat(2) % 6, mesh, fd.P())),
         }
         out.update({f"{name} {n}": value for name, value in cases.items()})
     return out

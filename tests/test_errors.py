@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import functional_dtensor as fd
 
@@ -122,6 +123,8 @@ CASES = [
     ("global-op-no-rule", lambda: torch.fft.fft(_distributed(fd.P("x"))), fd.FunctionalDTensorError, Exception, ["fft", "fd.local_map", "fd.register_sharding"]),
     ("global-op-shapes", lambda: _distributed(fd.P("x")) @ _distributed(fd.P(), shape=(3, 4)), fd.ShapeError, ValueError, ["matmul", "(4, 4)", "(3, 4)"]),
     ("global-op-two-meshes", lambda: _distributed(fd.P("x")) + _distributed(fd.P("x"), mesh=MESH_1D), fd.MeshError, ValueError, ["mesh"]),
+    ("cross-entropy-target-outside", lambda: F.cross_entropy(_distributed(fd.P(None, "x")), fd.distribute_tensor(torch.tensor([0, 1, 2, 4]), MESH, fd.P())), fd.InputTypeError, TypeError, ["cross_entropy(target)", "[0, 4)", "[4]"]),
+    ("gather-index-outside", lambda: torch.gather(_distributed(fd.P(None, "x")), 1, fd.distribute_tensor(torch.tensor([[0], [9], [1], [2]]), MESH, fd.P())), fd.InputTypeError, TypeError, ["torch.gather(index)", "[0, 4)", "9"]),
     ("matmul-vector", lambda: _distributed(fd.P("x")) @ _distributed(fd.P(), shape=(4,)), fd.ShapeError, ValueError, ["torch.matmul", "(4,)", "unsqueeze"]),
     ("in-place-method", lambda: _distributed(fd.P("x")).add_(1), fd.ImmutableError, Exception, ["add_", "x.add(...)"]),
     ("setitem", lambda: _distributed(fd.P("x")).__setitem__(0, 1.0), fd.ImmutableError, Exception, ["fd.DTensor.__setitem__", "immutable"]),

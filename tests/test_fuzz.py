@@ -238,6 +238,11 @@ class Op(NamedTuple):
     smooth: bool = True  # gradients compare where the op is differentiable almost everywhere
 
 
+def _gather(x, y, p):
+    size = x.shape[p[0]] if x.ndim else 1
+    return torch.gather(x, p[0], torch.remainder(y.long(), max(size, 1)))
+
+
 def _dim(draw, shapes):
     ndim = len(shapes[0])
     return draw(st.integers(-ndim, ndim - 1)) if ndim else 0
@@ -425,6 +430,13 @@ OPS = [
     Op("clamp by a tensor", 2, lambda x, y, p: torch.clamp(x, min=y), shapes="broadcast", smooth=False),
     Op("embedding", 2, lambda x, y, p: F.embedding(torch.remainder(x.long(), 7), y), shapes="lookup"),
     Op(
+        "gather",
+        2,
+        _gather,
+        lambda draw, s: (_dim(draw, s),),
+        shapes="gather",
+    ),
+    Op(
         "cross_entropy",
         2,
         lambda x, y, p: F.cross_entropy(x, torch.remainder(y.long(), x.shape[-1])),
@@ -454,6 +466,9 @@ def operand_shapes(draw, op: Op):
         return [shape, other] if draw(st.booleans()) else [other, shape]
     if op.shapes == "lookup":  # indices (any shape), a table (rows, features)
         return [draw(shapes(max_dims=2)), (draw(st.integers(0, 7)), draw(st.integers(0, 4)))]
+    if op.shapes == "gather":  # an input, and an index no larger on any dim
+        shape = draw(shapes(max_dims=3))
+        return [shape, tuple(draw(st.integers(0, n)) for n in shape)]
     if op.shapes == "classes":  # logits (rows, classes), targets (rows,)
         rows = draw(st.integers(0, 6))
         return [(rows, draw(st.integers(1, 7))), (rows,)]

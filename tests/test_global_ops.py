@@ -287,8 +287,12 @@ def test_cat_stack_split_chunk():
         close(got.full_tensor(), expected)
 
 
-@pytest.mark.parametrize("table_spec", [fd.P(), fd.P("x"), fd.P(None, "x"), fd.P(("x", "y"))])
+@pytest.mark.parametrize(
+    "table_spec", [fd.P(), fd.P("x"), fd.P(None, "x"), fd.P(("x", "y")), fd.P(("y", "x"))]
+)
 def test_embedding_with_row_sharded_tables(table_spec):
+    """(Rows split by two axes in the order ("y", "x") were looked up as if split in mesh
+    order: rows read from the wrong blocks.)"""
     mesh = fd.simulated_mesh((2, 3), ("x", "y"))
     table = values((11, 4), 1)
     indices = torch.tensor([[0, 10, 3], [5, 5, 7]])
@@ -877,3 +881,108 @@ def test_a_max_of_an_uneven_bool_value(kind):
             getattr(torch, "amax" if "max" in kind else "amin")(d, 0).full_tensor(),
             x.any() if "max" in kind else x.all(),
         )
+
+
+def two_orders(fn, tensors, layouts, seed=3):
+    """``fn`` of fd.DTensors of ``layouts`` against ``fn`` of ``tensors``: values, gradients
+    and second derivatives (the gradient of the gradients' product with drawn tensors)."""
+    leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    inputs = [fd.distribute_tensor(t, lay.mesh, lay) for t, lay in zip(leaves, layouts)]
+    refs = [t.clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    got, expected = fn(*inputs).full_tensor(), fn(*refs)
+    close(got, expected)
+    floating = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+    cotangent = values(expected.shape, seed)
+    firsts = [
+        torch.autograd.grad((out * cotangent).sum(), [ts[i] for i in floating], create_graph=True)
+        for out, ts in ((got, leaves), (expected, refs))
+    ]
+    for g, e in zip(*firsts):
+        close(g, e)
+    directions = [values(tensors[i].shape, seed + 1 + i) for i in floating]
+    seconds = [
+        torch.autograd.grad(
+            sum((g * v).sum() for g, v in zip(grads, directions)),
+            [ts[i] for i in floating],
+            allow_unused=True,
+        )
+        for grads, ts in zip(firsts, (leaves, refs))
+    ]
+    for g, e, i in zip(*seconds, floating):
+        zero = torch.zeros_like(tensors[i])
+        close(zero if g is None else g, zero if e is None else e)
+
+
+@given(data=st.data(), dim=st.integers(0, 1))
+def test_gather(data, dim):
+    """``torch.gather`` on every layout: the input sharded on the gathered dim (each device
+    gathers from its own block, a Partial sum), uneven blocks, dims split by two axes in either
+    order, a Partial input; values and derivatives of two orders."""
+    x = values((5, 7), 1)
+    index = torch.randint(x.shape[dim], (5, 3) if dim else (4, 7), generator=torch.Generator().manual_seed(2))
+    lx, li = data.draw(layouts_for([x.shape, index.shape], allow_partial=True))
+    li = fd.Layout(lx.mesh, [R if isinstance(p, fd.Partial) else p for p in li.placements], li.shard_order)
+    if any(p == fd.Partial("avg") for p in lx.placements):
+        lx = fd.Layout(lx.mesh, [fd.Partial() if isinstance(p, fd.Partial) else p for p in lx.placements])
+    two_orders(lambda v, i: torch.gather(v, dim, i) * v.sum(), [x, index], [lx, li])
+
+
+@pytest.mark.parametrize("logits_spec", [fd.P(None, "tp"), fd.P("dp", "tp"), fd.P(None, ("tp", "dp"))])
+def test_cross_entropy_second_derivatives(logits_spec):
+    """The class-sharded loss (the target's logit gathered from its block) against one device,
+    to the second derivative, with an ignored target and uneven class blocks."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    x, target = values((6, 11), 1), torch.tensor([1, 10, 3, 0, -100, 5])
+    layouts = [fd.Layout.from_spec(mesh, logits_spec), fd.Layout.from_spec(mesh, fd.P())]
+    two_orders(lambda v, t: F.cross_entropy(v, t) * v.square().mean(), [x, target], layouts)
+
+
+def test_cross_entropy_of_a_target_outside_the_classes_is_the_librarys_error():
+    """Regression: a target outside the classes read a log-probability of 0 (a one-hot pick of
+    no class), a silent wrong loss, where torch refuses it."""
+    mesh = fd.simulated_mesh(2, "x")
+    logits = fd.distribute_tensor(values((3, 4), 1), mesh, fd.P(None, "x"))
+    target = fd.distribute_tensor(torch.tensor([0, 4, 1]), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: F.cross_entropy(logits, target), "cross_entropy(target)", "[4]")
+    ignored = fd.distribute_tensor(torch.tensor([0, 7, 1]), mesh, fd.P())
+    close(
+        F.cross_entropy(logits, ignored, ignore_index=7).full_tensor(),
+        F.cross_entropy(values((3, 4), 1), torch.tensor([0, 7, 1]), ignore_index=7),
+    )
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 40], ids=["per-device kernels", "batched"])
+def test_layer_norm_on_stacked_devices(threshold, monkeypatch):
+    """Both forms of a stacked layer norm (the fused op once per device; normalized at once,
+    the affine weights applied after): values and derivatives of two orders, with weights
+    replicated and sharded like a row of the input."""
+    from functional_dtensor import _torch_ops
+
+    monkeypatch.setattr(_torch_ops, "PER_DEVICE_KERNEL", threshold)
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    x, w, b = values((4, 3, 8), 1), values((8,), 2), values((8,), 3)
+    layouts = [fd.Layout.from_spec(mesh, spec) for spec in (fd.P("dp"), fd.P(), fd.P())]
+    two_orders(lambda v, weight, bias: F.layer_norm(v, (8,), weight, bias).square(), [x, w, b], layouts)
+    two_orders(lambda v, weight: F.rms_norm(v, (8,), weight).square(), [x, w], layouts[:2])
+
+
+def test_a_linear_weights_gradient_is_row_major_on_stacked_devices():
+    """``x @ w.t()`` (a linear layer): the weight's gradient keeps the weight's memory order,
+    as torch's mm gives it (an optimizer reads a transposed one several times slower); values
+    and derivatives of two orders."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    x, w = values((4, 5, 6), 1), values((8, 6), 2)
+    layouts = [fd.Layout.from_spec(mesh, fd.P("dp")), fd.Layout.from_spec(mesh, fd.P("tp"))]
+    two_orders(lambda v, weight: F.linear(v, weight).square(), [x, w], layouts)
+    weight = fd.distribute_tensor(w.clone().requires_grad_(), mesh, layouts[1])
+    (grad,) = torch.autograd.grad(F.linear(fd.distribute_tensor(x, mesh, layouts[0]), weight).sum(), [weight])
+    assert grad.local_shards()[0].is_contiguous() and grad.layout == weight.layout
+
+
+def test_a_matmul_torch_refuses_is_refused_with_a_contraction_of_one():
+    """Regression (fuzz): a bool matmul with a contraction of length one ran as a broadcast
+    product, where torch's kernel refuses bool matrices."""
+    mesh = fd.simulated_mesh(2, "x")
+    a = fd.distribute_tensor(torch.ones(4, 1, dtype=torch.bool), mesh, fd.P("x"))
+    b = fd.distribute_tensor(torch.ones(1, 3, dtype=torch.bool), mesh, fd.P())
+    check(fd.InputTypeError, TypeError, lambda: a @ b, "matmul", "Bool")
