@@ -6,6 +6,7 @@ plan, bytes included. Integer values keep their dtype and reduce as their own fu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 
@@ -586,6 +587,10 @@ def derivative_cases(ndim: int) -> list[tuple]:
     return [(s, t, p) for s, t in pairs for p in DERIVATIVE_PROGRAMS]
 
 
+def _moved(program, layout, value):
+    return program(fd.redistribute(value, layout))
+
+
 def job_derivatives(mesh) -> list:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     out = []
@@ -593,7 +598,8 @@ def job_derivatives(mesh) -> list:
         leaf = x.clone().requires_grad_()
         value = fd.distribute_tensor(leaf, mesh, [DERIVATIVE_PLACEMENTS[p] for p in source])
         layout = fd.Layout(mesh, tuple(DERIVATIVE_PLACEMENTS[p] for p in target))
-        out.append(derivatives(lambda v: DERIVATIVE_PROGRAMS[program](fd.redistribute(v, layout)), leaf, value))
+        moved = functools.partial(_moved, DERIVATIVE_PROGRAMS[program], layout)
+        out.append(derivatives(moved, leaf, value))
     return out
 
 
