@@ -1093,10 +1093,30 @@ def _whole(value: DTensor) -> DTensor:
     return value.redistribute(without_partial(value.layout)) if value.layout.has_partial else value
 
 
+def _check_targets(target: DTensor, classes: int, ignore_index: int) -> None:
+    """Class indices are classes (or ignored), as torch's kernel checks: each rank checks its
+    own (the padding of uneven ones holds 0, a class)."""
+    held = storage_of(target)
+    if torch.compiler.is_compiling() or is_transformed(held) or target.layout.has_partial:
+        return
+    outside = (held != ignore_index) & ((held < 0) | (held >= classes))
+    if bool(outside.any()):
+        raise InputTypeError(
+            explain(
+                "torch.nn.functional.cross_entropy(target)",
+                "a target is a class index (or the ignore_index)",
+                expected=f"targets in [0, {classes}) or {ignore_index}",
+                got=f"targets {held[outside].unique().tolist()[:8]}",
+                fix="check the targets against the number of classes first",
+            )
+        )
+
+
 def _cross_entropy(func, args, kwargs, ctx):
-    """``F.cross_entropy`` of class logits and integer targets, as global ops: a stable
-    log-softmax over the class dim and a one-hot pick. Where the class dim is sharded (loss
-    parallel), only per-row maxima and sums cross devices, never the logits."""
+    """``F.cross_entropy`` of class logits and integer targets, as global ops: the log of a
+    stable sum of exponentials over the class dim, less the target's logit (gathered). Where
+    the class dim is sharded (loss parallel), only per-row maxima, sums and the target's logit
+    cross devices, never the logits."""
     names = (
         "input",
         "target",
@@ -1135,19 +1155,7 @@ def _cross_entropy(func, args, kwargs, ctx):
     ignore_index = bound.get("ignore_index", -100)
     keep = torch.ne(target, ignore_index)
     classes = logits.shape[dim]
-    held = storage_of(target)  # each rank checks its own (the padding of uneven ones holds 0)
-    checked = not (torch.compiler.is_compiling() or is_transformed(held) or target.layout.has_partial)
-    outside = (held != ignore_index) & ((held < 0) | (held >= classes)) if checked else None
-    if checked and bool(outside.any()):
-        raise InputTypeError(
-            explain(
-                "torch.nn.functional.cross_entropy(target)",
-                "a target is a class index (or the ignore_index)",
-                expected=f"targets in [0, {classes}) or {ignore_index}",
-                got=f"targets {held[outside].unique().tolist()[:8]}",
-                fix="check the targets against the number of classes first",
-            )
-        )
+    _check_targets(target, classes, ignore_index)
     # of a sharded class dim, the maxima and sums are Partial: each reduced once, here
     top = _whole(logits.detach().amax(dim, keepdim=True))
     log_total = torch.add(_whole(torch.sub(logits, top).exp().sum(dim)).log(), top.squeeze(dim))
