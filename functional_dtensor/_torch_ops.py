@@ -52,8 +52,29 @@ def _align(args, kwargs, ctx):
     return [align(a) for a in args], {k: align(v) for k, v in kwargs.items()}
 
 
+def _unpadded_gradients(args, kwargs, ctx):
+    """On stacked uneven blocks, the inputs take no gradient from the output's padding: where
+    the op's derivative is not finite there (``c / y``, ``y``'s padding 0), the zeroed
+    cotangent times it is NaN, which an input broadcast over the padding (or replicated on a
+    device that holds none of the output) would sum into its gradient."""
+    shape = tuple(ctx.decision.out_shapes[0])
+    mask = None
+
+    def guarded(value):
+        nonlocal mask
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            return value
+        if mask is None:
+            mask = valid_mask(ctx.decision.output, shape, str(value.device))
+        return torch.where(mask, value, value.detach())
+
+    return [guarded(a) for a in args], {k: guarded(v) for k, v in kwargs.items()}
+
+
 def _elementwise_local(func, args, kwargs, ctx):
     args, kwargs = _align(args, kwargs, ctx)
+    if ctx.lead and ctx.decision.padded[0] and torch.is_grad_enabled():
+        args, kwargs = _unpadded_gradients(args, kwargs, ctx)
     out = func(*args, **kwargs)
     if ctx.lead and out.dtype != ctx.decision.out_dtypes[0]:
         # a 0-d value's stacked storage has a dim, so torch's type promotion counted it as a

@@ -987,3 +987,17 @@ def test_a_matmul_torch_refuses_is_refused_with_a_contraction_of_one():
     a = fd.distribute_tensor(torch.ones(4, 1, dtype=torch.bool), mesh, fd.P("x"))
     b = fd.distribute_tensor(torch.ones(1, 3, dtype=torch.bool), mesh, fd.P())
     check(fd.InputTypeError, TypeError, lambda: a @ b, "matmul", "Bool")
+
+
+@pytest.mark.parametrize(
+    "op", [torch.div, torch.atan2, lambda a, b: torch.pow(b.abs(), a)], ids=["div", "atan2", "pow"]
+)
+def test_a_broadcast_operand_takes_no_gradient_from_padding(op):
+    """Regression (fuzz): with uneven blocks, ``c / y`` gave ``c`` a NaN gradient: the padding of
+    ``y`` holds 0, where the derivative is infinite, and the zeroed cotangent times it (0 / 0)
+    was summed into the gradient of ``c``, replicated on the device that holds no block."""
+    mesh = fd.simulated_mesh(3, "x")
+    c, y = values((1,), 1), values((2,), 2)
+    layouts = [fd.Layout.from_spec(mesh, fd.P()), fd.Layout.from_spec(mesh, fd.P("x"))]
+    two_orders(op, [c, y], layouts)
+    two_orders(lambda a, b: op(a, b.unsqueeze(0)).sum(0), [values((4, 1), 3), y], [layouts[1], layouts[0]])
