@@ -894,6 +894,16 @@ register([F.embedding], Handler(rules.embedding, _none, _embedding_local, "embed
 
 
 def _gather_params(args, kwargs, tensors):
+    if kwargs.get("sparse_grad"):
+        raise InputTypeError(
+            explain(
+                "torch.gather(sparse_grad)",
+                "the gradient of an fd.DTensor is dense, laid out like the value",
+                expected="sparse_grad=False",
+                got="sparse_grad=True",
+                fix="leave sparse_grad out",
+            )
+        )
     dim = args[1] if len(args) > 1 else kwargs["dim"]
     return (dim % max(tensors[0].ndim, 1),)
 
@@ -902,22 +912,21 @@ def _gather_local(func, args, kwargs, ctx):
     """``torch.gather`` on each device's blocks; from a block of a sharded ``dim``, the
     indices that fall in it (zeros elsewhere: the Partial sum of the devices')."""
     x, index = args[0], args[2] if len(args) > 2 else kwargs["index"]
-    sparse = kwargs.get("sparse_grad", False)
     (dim,) = ctx.decision.call.params
     shape = ctx.decision.call.shapes[0]
     total = shape[dim] if shape else 1
     _check_indices(index, total, "torch.gather(index)", f"a dim of {total}", ctx)
     if not shape:  # a 0-d input: along a dim of its own, not the device dim
-        return torch.gather(x.unsqueeze(-1), -1, index.unsqueeze(-1), sparse_grad=sparse).squeeze(-1)
+        return torch.gather(x.unsqueeze(-1), -1, index.unsqueeze(-1)).squeeze(-1)
     local_dim = dim - len(shape)  # from the end: the device dim leads
     layout = ctx.decision.inputs[0]
     if not layout.sharding_axes(dim):
-        return torch.gather(x, local_dim, index, sparse_grad=sparse)
+        return torch.gather(x, local_dim, index)
     size = x.shape[local_dim]
     if size == 0:  # a rank that holds none of the dim
         return torch.zeros(index.shape, dtype=x.dtype, device=x.device)
     local, inside = _into_block(index, layout, ctx.decision.call.shapes[0], dim, size, ctx)
-    return torch.gather(x, local_dim, local, sparse_grad=sparse) * inside
+    return torch.gather(x, local_dim, local) * inside
 
 
 register([torch.gather, torch.Tensor.gather], Handler(rules.gather, _gather_params, _gather_local, "gather"))
@@ -1078,7 +1087,7 @@ def install() -> None:
         "unsqueeze expand to float double half bfloat16 int long bool type_as "
         "clone detach contiguous softmax log_softmax cumsum exp log sqrt rsqrt tanh sigmoid relu abs neg "
         "pow clamp clip matmul mm bmm maximum minimum split chunk where eq ne lt le gt ge add sub mul div "
-        "square sin cos log1p allclose equal"
+        "gather square sin cos log1p allclose equal"
     ).split()
     for name in names:
         setattr(DTensor, name, _method(getattr(torch.Tensor, name)))
@@ -1173,6 +1182,18 @@ def _cross_entropy(func, args, kwargs, ctx):
             )
         )
     dim = 1 if logits.ndim > 1 else 0
+    rows = tuple(logits.shape[:dim] + logits.shape[dim + 1 :])
+    if tuple(target.shape) != rows:
+        raise ShapeError(
+            explain(
+                "torch.nn.functional.cross_entropy(target)",
+                "a target holds one class index per row of the logits",
+                expected=f"shape {rows} (the logits' {tuple(logits.shape)} without the class dim {dim})",
+                got=f"shape {tuple(target.shape)}",
+                fix="pass the targets of these logits (flatten both alike: logits.flatten(0, 1), "
+                "targets.flatten(0, 1))",
+            )
+        )
     ignore_index = bound.get("ignore_index", -100)
     keep = torch.ne(target, ignore_index)
     classes = logits.shape[dim]
@@ -1185,7 +1206,7 @@ def _cross_entropy(func, args, kwargs, ctx):
     picked = torch.gather(logits, dim, safe.unsqueeze(dim)).squeeze(dim)
     if picked.layout.has_partial and picked.layout != log_total.layout:
         # the class dim sharded: the loss stays a Partial sum (the row totals as parts, with no
-        # communication) until it is reduced, as the one-hot pick's did
+        # communication) until it is reduced
         log_total = log_total.redistribute(picked.layout)
     losses = torch.mul(torch.sub(log_total, picked), keep)
     reduction = bound.get("reduction", "mean")

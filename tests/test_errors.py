@@ -124,6 +124,8 @@ CASES = [
     ("global-op-shapes", lambda: _distributed(fd.P("x")) @ _distributed(fd.P(), shape=(3, 4)), fd.ShapeError, ValueError, ["matmul", "(4, 4)", "(3, 4)"]),
     ("global-op-two-meshes", lambda: _distributed(fd.P("x")) + _distributed(fd.P("x"), mesh=MESH_1D), fd.MeshError, ValueError, ["mesh"]),
     ("cross-entropy-target-outside", lambda: F.cross_entropy(_distributed(fd.P(None, "x")), fd.distribute_tensor(torch.tensor([0, 1, 2, 4]), MESH, fd.P())), fd.InputTypeError, TypeError, ["cross_entropy(target)", "[0, 4)", "[4]"]),
+    ("cross-entropy-target-shape", lambda: F.cross_entropy(_distributed(fd.P(None, "x")), fd.distribute_tensor(torch.tensor([0, 1, 2]), MESH, fd.P())), fd.ShapeError, ValueError, ["cross_entropy(target)", "(4,)", "(3,)"]),
+    ("gather-sparse-grad", lambda: _distributed(fd.P("x")).gather(1, fd.distribute_tensor(torch.zeros(4, 1, dtype=torch.long), MESH, fd.P()), sparse_grad=True), fd.InputTypeError, TypeError, ["torch.gather(sparse_grad)", "dense"]),
     ("gather-index-outside", lambda: torch.gather(_distributed(fd.P(None, "x")), 1, fd.distribute_tensor(torch.tensor([[0], [9], [1], [2]]), MESH, fd.P())), fd.InputTypeError, TypeError, ["torch.gather(index)", "[0, 4)", "9"]),
     ("matmul-vector", lambda: _distributed(fd.P("x")) @ _distributed(fd.P(), shape=(4,)), fd.ShapeError, ValueError, ["torch.matmul", "(4,)", "unsqueeze"]),
     ("in-place-method", lambda: _distributed(fd.P("x")).add_(1), fd.ImmutableError, Exception, ["add_", "x.add(...)"]),

@@ -31,8 +31,7 @@ def _soak_module():
 def job_soak(ops: int) -> dict:
     from functional_dtensor import _cache
 
-    for cache in _cache._caches:  # the pool's ranks ran other tests' programs first: the soak's own
-        cache.cache_clear()
+    _cache.clear_caches()  # the pool's ranks ran other tests' programs first: the soak counts its own
     return _soak_module().run_soak(ops, check_every=25)
 
 
