@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -41,6 +42,9 @@ import torch.distributed as dist
 
 import functional_dtensor as fd
 from functional_dtensor import _cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common import assert_close, in_float64  # noqa: E402  (tolerances from the dtype and a float64 reference)
 
 WORLD = 4
 CHUNK = 1000
@@ -54,15 +58,15 @@ class Op(NamedTuple):
     check: Callable[[object], None]  # compares its result with the single-device value
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"soak, {what}: {m}")
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, want_in_dtype=None) -> None:
+    assert_close(got, want, want_in_dtype, msg=lambda m: f"soak, {what}: {m}")
 
 
-def _full(kind: str, want: torch.Tensor, placements=None) -> Callable[[object], None]:
+def _full(kind: str, want: torch.Tensor, placements=None, want_in_dtype=None) -> Callable[[object], None]:
     def check(out) -> None:
         if placements is not None:
             assert out.placements == placements, f"soak, {kind}: {out.placements} != {placements}"
-        _close(out.full_tensor(), want, kind)
+        _close(out.full_tensor(), want, kind, want_in_dtype)
 
     return check
 
@@ -97,10 +101,12 @@ def build_ops(mesh: fd.DeviceMesh, seed: int = 0) -> dict[str, list[Op]]:
         lambda t, a, b: fd.psum(torch.tanh(t @ a) @ b, "tp"), (P("dp"), P(None, "tp"), P("tp")), P("dp")
     )
 
-    x_leaf, w1_leaf, w2_leaf = (t.clone().requires_grad_() for t in (x, w1, w2))
-    want_grads = torch.autograd.grad(
-        (torch.tanh(x_leaf @ w1_leaf) @ w2_leaf).square().sum(), (x_leaf, w1_leaf, w2_leaf)
-    )
+    def one_device_grads(*tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        x_leaf, w1_leaf, w2_leaf = leaves
+        return torch.autograd.grad((torch.tanh(x_leaf @ w1_leaf) @ w2_leaf).square().sum(), leaves)
+
+    want_grads, want_grads32 = one_device_grads(*in_float64((x, w1, w2))), one_device_grads(x, w1, w2)
 
     def mlp_step():
         inputs = [t.clone().requires_grad_() for t in (x, w1, w2)]
@@ -108,8 +114,8 @@ def build_ops(mesh: fd.DeviceMesh, seed: int = 0) -> dict[str, list[Op]]:
         return torch.autograd.grad(loss, inputs)
 
     def check_grads(grads) -> None:
-        for i, (got, want) in enumerate(zip(grads, want_grads, strict=True)):
-            _close(got, want, f"mlp gradient {i}")
+        for i, (got, want, want32) in enumerate(zip(grads, want_grads, want_grads32, strict=True)):
+            _close(got, want, f"mlp gradient {i}", want32)
 
     def fresh():  # a new function object each call: nothing may be cached per function
         return mapped(lambda t: fd.psum(t, "dp") * 1.0, (P("dp", "tp"),), P(None, "tp"))(x_2d)
@@ -156,8 +162,9 @@ def build_ops(mesh: fd.DeviceMesh, seed: int = 0) -> dict[str, list[Op]]:
     y_2d = fd.distribute_tensor(2 * x, mesh, P("dp", "tp"))
     x_rows, w_rep = fd.distribute_tensor(x, mesh, P("dp")), fd.distribute_tensor(w, mesh, P())
     ops["global +"] = [Op("global +", lambda: x_2d + y_2d, _full("global +", 3 * x))]
-    ops["global @"] = [Op("global @", lambda: x_rows @ w_rep, _full("global @", x @ w))]
-    ops["global sum"] = [Op("global sum", lambda: x_2d.sum(), _full("global sum", x.sum()))]
+    x64, w64 = in_float64((x, w))
+    ops["global @"] = [Op("global @", lambda: x_rows @ w_rep, _full("global @", x64 @ w64, None, x @ w))]
+    ops["global sum"] = [Op("global sum", lambda: x_2d.sum(), _full("global sum", x64.sum(), None, x.sum()))]
     return ops
 
 

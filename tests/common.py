@@ -1,8 +1,12 @@
-"""Helpers shared by several test files: the library's error contract, drawn layout pairs
-that split evenly, and a catalogue of global op calls."""
+"""Helpers shared by several test files (and the benchmarks' checks): float comparisons with
+tolerances derived from the dtype and the computation, the library's error contract, drawn
+layout pairs that split evenly, and a catalogue of global op calls."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +15,105 @@ from hypothesis import strategies as st
 import functional_dtensor as fd
 from functional_dtensor.testing import strategies as fds
 
-__all__ = ["check", "even_pairs", "op_catalogue"]
+__all__ = ["ERROR_FACTOR", "assert_close", "check", "even_pairs", "in_float64", "op_catalogue"]
+
+#: How many times the error of plain torch's own low-precision computation a result may have.
+#: Two orders of the same roundings (a sum over shards, then across devices, against one
+#: device's sum) err by about as much; the factor leaves room for the spread of the largest of
+#: a tensor's errors. It is fixed: a comparison that needs more has found something to explain.
+ERROR_FACTOR = 4
+
+#: torch.testing.assert_close's default (rtol, atol) per dtype (its documented table): what
+#: "equal" means for a dtype's own rounding, the floor of every tolerance below
+DTYPE_TOLERANCES = {
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.complex32: (1e-3, 1e-5),
+    torch.complex64: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.complex128: (1e-7, 1e-7),
+}
+_WIDE = {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64}
+_WIDE.update({torch.complex32: torch.complex128, torch.complex64: torch.complex128})
+
+
+def assert_close(
+    got,
+    want,
+    want_in_dtype=None,
+    *,
+    terms: float = 1,
+    dtypes: tuple[torch.dtype, ...] = (),
+    msg: str | Callable[[str], str] | None = None,
+) -> None:
+    """Each tensor of the pytree ``got`` equals the one of ``want`` (the same structure), the
+    way torch's OpInfo tests decide it: within the tolerance of ``got``'s dtype
+    (:data:`DTYPE_TOLERANCES`), widened where the computation amplifies rounding to
+    :data:`ERROR_FACTOR` times the error of plain torch's own computation in that dtype.
+
+    ``want`` is the reference, best computed in float64 (:func:`in_float64`); ``want_in_dtype``,
+    if given, is the same computation by plain torch in ``got``'s dtype, and its distance from
+    ``want`` is that error. A low-precision ``got`` is compared with a float64 ``want`` in float64
+    (its dtype checked against ``want_in_dtype``'s, if given); otherwise dtypes must match, as in
+    ``torch.testing.assert_close``. Integer and bool tensors compare exactly; NaNs match NaNs.
+
+    Where plain torch has no such computation to measure (a value summed from parts across
+    devices), ``terms`` says how many rounded values a result sums at most, in another order than
+    the reference's: the absolute tolerance widens to the bound of such a sum's rounding, ``terms``
+    times the dtype's relative tolerance at the scale of the values (at least 1: inputs of unit
+    scale). ``dtypes`` adds the dtypes a result was computed through (a float16 input promoted
+    to float32 rounded in float16 first): the loosest tolerance of them all applies.
+    """
+    say = msg if callable(msg) else (lambda m: f"{msg}: {m}" if msg else m)
+    got_leaves, got_tree = optree.tree_flatten(got)
+    want_leaves, want_tree = optree.tree_flatten(want)
+    if got_tree != want_tree:
+        raise AssertionError(say(f"structures differ: got {got_tree}, want {want_tree}"))
+    low_leaves = [None] * len(got_leaves)
+    if want_in_dtype is not None:
+        low_leaves, low_tree = optree.tree_flatten(want_in_dtype)
+        if low_tree != want_tree:
+            raise AssertionError(say(f"structures differ: want_in_dtype {low_tree}, want {want_tree}"))
+    for path, g, w, low in zip(optree.tree_paths(got), got_leaves, want_leaves, low_leaves):
+        where = "".join(f"[{k!r}]" for k in path)
+        leaf_say = (lambda m, where=where: say(f"{where}: {m}")) if where else say
+        _assert_leaf_close(torch.as_tensor(g), torch.as_tensor(w), low, terms, dtypes, leaf_say)
+
+
+def _assert_leaf_close(got, want, low, terms: float, dtypes, say: Callable[[str], str]) -> None:
+    if not (got.is_floating_point() or got.is_complex()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=say)
+        return
+    if low is not None:
+        low = torch.as_tensor(low)
+        if got.dtype != low.dtype:
+            raise AssertionError(say(f"dtype {got.dtype}, where plain torch gives {low.dtype}"))
+    if want.dtype != _WIDE.get(got.dtype) and got.dtype != want.dtype:
+        raise AssertionError(say(f"dtype {got.dtype}, want {want.dtype}"))
+    rtol, atol = (max(t) for t in zip(*(DTYPE_TOLERANCES.get(d, (0.0, 0.0)) for d in (got.dtype, *dtypes))))
+    if terms > 1 and want.numel():
+        scale = max(1.0, want.abs().nan_to_num(0.0, 0.0, 0.0).max().item())
+        atol = max(atol, terms * rtol * scale)
+    if low is not None and want.numel():
+        error = (low.to(want.dtype) - want).abs().nan_to_num(0.0, 0.0, 0.0).max().item()
+        atol = max(atol, ERROR_FACTOR * error)
+    torch.testing.assert_close(got.to(want.dtype), want, rtol=rtol, atol=atol, equal_nan=True, msg=say)
+
+
+def in_float64(tree):
+    """``tree`` with every float (complex) tensor and module converted to float64 (complex128):
+    the arguments of a float64 reference. Modules are copied, tensors keep ``requires_grad``."""
+    import copy
+
+    def wide(leaf):
+        if isinstance(leaf, torch.nn.Module):
+            return copy.deepcopy(leaf).double()
+        if isinstance(leaf, torch.Tensor) and leaf.dtype in _WIDE:
+            return leaf.detach().to(_WIDE[leaf.dtype]).requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return optree.tree_map(wide, tree, is_leaf=lambda x: isinstance(x, torch.nn.Module))
 
 
 def check(error, builtin, call, *fragments):

@@ -1,6 +1,8 @@
 """A shortened soak (``bench/soak.py``): 2,000 mixed collectives, redistributes and global ops on
-the 4 gloo ranks of the test pool, with no growth in process groups, caches or memory and no
-slowdown from the first chunk of 1,000 to the last."""
+the 4 gloo ranks of the test pool, right every 25th operation, with no growth in process groups,
+caches, memory or Python objects from the first chunk of 1,000 to the last. Whether the last
+chunk runs as fast as the first is a timing, measured by the benchmark (``python bench/soak.py``
+prints the ratio), not decided here: a test reads no clock."""
 
 from __future__ import annotations
 
@@ -13,9 +15,6 @@ import pytest
 SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
 RSS_GROWTH_MB = 16.0  # after the first chunk (allocator pools, dynamo's first traces)
 OBJECT_GROWTH = 2_000  # Python objects from the first chunk to the last
-# last chunk's median operation over the first's, slowest rank (loose: 2 cores shared with other
-# work, where wall-clock times can double from one minute to the next; CPU time moves less)
-SLOWDOWN, SLOWDOWN_WALL = 1.5, 2.5
 
 
 def _soak_module():
@@ -35,8 +34,9 @@ def job_soak(ops: int) -> dict:
     return _soak_module().run_soak(ops, check_every=25)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-def test_soak_on_four_gloo_ranks_grows_nothing_and_does_not_slow_down(gloo):
+def test_soak_on_four_gloo_ranks_is_right_and_grows_nothing(gloo):
     records = gloo.run(4, job_soak, 2_000, timeout=180)
     soak = _soak_module()
     summary = soak.summary(records)
@@ -50,5 +50,3 @@ def test_soak_on_four_gloo_ranks_grows_nothing_and_does_not_slow_down(gloo):
         assert not last["caches_full"], f"{at}: caches at their bound: {last['caches_full']}"
         assert last["rss_mb"] - first["rss_mb"] < RSS_GROWTH_MB, (at, first["rss_mb"], last["rss_mb"])
         assert last["objects"] - first["objects"] < OBJECT_GROWTH, (at, first["objects"], last["objects"])
-    assert summary["cpu_last_over_first"] < SLOWDOWN, summary
-    assert summary["last_over_first"] < SLOWDOWN_WALL, summary

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from common import assert_close, in_float64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -33,6 +34,18 @@ STEPS = 3
 def _model(cfg: tt.Config) -> nn.Module:
     torch.manual_seed(0)
     return tt.Transformer(cfg)
+
+
+def one_device(cfg: tt.Config, steps: int) -> tuple[dict, dict]:
+    """The reference training on one device in float64 and in float32: ``{"losses", "params"}``
+    each, the float32 one giving the error that plain torch's float32 training makes."""
+    runs = []
+    for model in (in_float64(_model(cfg)), _model(cfg)):
+        losses, trained = tt.train_single(model, cfg, steps)
+        dtype = next(trained.parameters()).dtype
+        params = {name: p.detach() for name, p in trained.named_parameters()}
+        runs.append({"losses": torch.tensor(losses, dtype=dtype), "params": params})
+    return runs[0], runs[1]
 
 
 def job_train(mesh, variant: str, tied: bool) -> dict:
@@ -54,19 +67,16 @@ CASES = [("tp", False), ("sp", False), ("fsdp", False), ("sp+fsdp", False), ("sp
 @pytest.mark.parametrize("variant, tied", CASES, ids=[f"{v}{'-tied' if t else ''}" for v, t in CASES])
 def test_training_equals_one_device(backend, mesh, variant, tied):
     cfg = SMALL if not tied else tt.Config(**{**SMALL.__dict__, "tied": True})
-    reference, trained = tt.train_single(_model(cfg), cfg, STEPS)
-    expected = dict(trained.named_parameters())
+    want, want32 = one_device(cfg, STEPS)
     for got in backend.run(job_train, (2, 2), tt.axes_of(variant), variant, tied, timeout=120):
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference), rtol=1e-5, atol=1e-5)
-        assert got["params"].keys() == expected.keys()
-        for name, value in got["params"].items():
-            torch.testing.assert_close(value, expected[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
-        assert len(got["exp_avg"]) == len(expected)
+        assert got["params"].keys() == want["params"].keys()
+        assert_close({"losses": torch.tensor(got["losses"]), "params": got["params"]}, want, want32)
+        assert len(got["exp_avg"]) == len(want["params"])
         if "fsdp" in variant:  # every parameter sharded over dp
             assert all("dp" in layout for layout in got["layouts"].values()), got["layouts"]
         if variant == "cp":  # attention went round the ring: the parameters stay replicated
             assert set(got["layouts"].values()) == {"P()"}, got["layouts"]
-    assert reference[-1] < reference[0]  # it learns
+    assert want["losses"][-1] < want["losses"][0]  # it learns
 
 
 def test_fully_sharded_holds_a_quarter():
@@ -135,13 +145,18 @@ def test_drawn_plans_equal_one_device(case):
     x = torch.randn(batch, sizes[0])
     data = fd.P("dp") if "dp" in names else fd.P()
     out = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, data))
-    expected = model(x)
-    torch.testing.assert_close(out.full_tensor(), expected, rtol=1e-5, atol=1e-5)
-    loss = (out * out).sum()
-    grads = torch.autograd.grad(loss, list(sharded.params.values()))
-    reference = torch.autograd.grad((expected * expected).sum(), list(model.parameters()))
-    for name, g, e in zip(sharded.params, grads, reference):
-        torch.testing.assert_close(g.full_tensor(), e, rtol=1e-4, atol=1e-5, msg=name)
+    grads = dict(zip(sharded.params, torch.autograd.grad((out * out).sum(), list(sharded.params.values()))))
+
+    def one_device(model, x):
+        y = model(x)
+        return {
+            "y": y,
+            "grads": dict(zip(sharded.params, torch.autograd.grad((y * y).sum(), list(model.parameters())))),
+        }
+
+    got = {"y": out.full_tensor(), "grads": {name: g.full_tensor() for name, g in grads.items()}}
+    assert_close(got, one_device(*in_float64((model, x))), one_device(model, x))
+    for name, g in grads.items():
         assert g.layout == sharded.params[name].layout
 
 
@@ -427,21 +442,18 @@ def test_a_checkpoint_resumes_training_on_another_layout_and_backend(backend, me
     """Two steps under sp+fsdp on the simulated mesh, saved (parameters, AdamW state, step);
     loaded onto the tensor-parallel layout (simulated, or 4 gloo ranks) for two more steps:
     the same losses and parameters as four steps on one device."""
-    reference, trained = tt.train_single(_model(SMALL), SMALL, 4)
+    want, want32 = one_device(SMALL, 4)
     simulated = fd.simulated_mesh((2, 2), ("dp", "tp"))
     sharded = fd.parallelize_module(_model(SMALL), simulated, tt.plan_for("sp+fsdp"))
     opt = fd.Optimizer(torch.optim.AdamW, sharded.params, lr=1e-2)
     first, params = _steps(sharded.apply, sharded.params, opt, simulated, list(tt.batches(SMALL, 2)))
     path = str(tmp_path / "ckpt")
     fd.checkpoint.save(path, {"params": params, "optim": opt.state_dict(), "step": 2})
-    torch.testing.assert_close(torch.tensor(first), torch.tensor(reference[:2]), rtol=1e-5, atol=1e-5)
+    assert_close(torch.tensor(first), want["losses"][:2], want32["losses"][:2], msg="first two steps")
     for got in backend.run(job_resume, (2, 2), ("dp", "tp"), path, timeout=120):
         assert all(got["loaded"].values())
-        torch.testing.assert_close(
-            torch.tensor(got["losses"]), torch.tensor(reference[2:]), rtol=1e-5, atol=1e-5
-        )
-        for name, p in trained.named_parameters():
-            torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+        got = {"losses": torch.tensor(got["losses"]), "params": got["params"]}
+        assert_close(got, {**want, "losses": want["losses"][2:]}, {**want32, "losses": want32["losses"][2:]})
 
 
 # --- data parallelism: one gradient reduction ---------------------------------------------------
@@ -474,10 +486,13 @@ def test_data_parallel_gradients_are_reduced_once(style):
         loss = (y * y).sum() + reg
         forward = comm.get_comm_counts()
         grads = torch.autograd.grad(loss, list(sharded.params.values()))
-    expected_y, expected_reg = model(x)
-    expected = torch.autograd.grad((expected_y * expected_y).sum() + expected_reg, list(model.parameters()))
-    for name, g, e in zip(sharded.params, grads, expected):
-        torch.testing.assert_close(g.full_tensor(), e, rtol=1e-5, atol=1e-5, msg=name)
+
+    def one_device(model, x):
+        y, reg = model(x)
+        return dict(zip(sharded.params, torch.autograd.grad((y * y).sum() + reg, list(model.parameters()))))
+
+    got = {name: g.full_tensor() for name, g in zip(sharded.params, grads)}
+    assert_close(got, one_device(*in_float64((model, x))), one_device(model, x))
     backward = {op: n - forward.get(op, 0) for op, n in comm.get_comm_counts().items()}
     if style == "replicate":  # every parameter's dp sum in one all-reduce
         dp_reductions = [e for e in comm.events if e.op == "all_reduce" and e.axes == ("dp",)]
@@ -503,7 +518,7 @@ class _Unit(nn.Module):
         self.c = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
 
     def forward(self, x):
-        return self.b(torch.tanh(self.a(x))).sum(-1, keepdim=True) * (self.c.float().sum() + x[..., :1])
+        return self.b(torch.tanh(self.a(x))).sum(-1, keepdim=True) * (self.c.to(x.dtype).sum() + x[..., :1])
 
 
 def _job_fully_sharded_unit(mesh):
@@ -521,17 +536,20 @@ def _job_fully_sharded_unit(mesh):
     assert len(gathers) == 3, gathers  # float32 bucket, float64 bucket, the uneven b.weight
     assert len(scatters) == 3, scatters
     assert forward.get("all_gather", 0) >= 3
-    expected_y = model(x)
-    leaves = dict(model.named_parameters())
-    expected = torch.autograd.grad(expected_y.sum(), [leaves[n] for n in params], create_graph=True)
-    torch.testing.assert_close(y.full_tensor(), expected_y, rtol=1e-5, atol=1e-5)
-    for name, g, e in zip(params, grads, expected, strict=True):
-        torch.testing.assert_close(g.full_tensor(), e, rtol=1e-5, atol=1e-5, msg=name)
     # second order: the gradient of the squared gradient norm of a.weight with respect to c
     index = list(params).index("a.weight")
     (second,) = torch.autograd.grad((grads[index] * grads[index]).sum(), [params["c"]])
-    (expected_second,) = torch.autograd.grad((expected[index] * expected[index]).sum(), [leaves["c"]])
-    torch.testing.assert_close(second.full_tensor(), expected_second, rtol=1e-5, atol=1e-5)
+
+    def one_device(model, x):
+        y, leaves = model(x), dict(model.named_parameters())
+        grads = torch.autograd.grad(y.sum(), [leaves[n] for n in params], create_graph=True)
+        (second,) = torch.autograd.grad((grads[index] * grads[index]).sum(), [leaves["c"]])
+        return {"y": y, "grads": dict(zip(params, grads, strict=True)), "second": second}
+
+    got = {"y": y.full_tensor(), "grads": {n: g.full_tensor() for n, g in zip(params, grads)}}
+    assert_close(
+        {**got, "second": second.full_tensor()}, one_device(*in_float64((model, x))), one_device(model, x)
+    )
 
 
 SECOND_ORDER_PLANS = {
@@ -558,13 +576,24 @@ def _job_second_order(mesh, plan):
     params = sharded.params
     y = sharded.apply(params, fd.distribute_tensor(x, mesh, fd.P("dp")))
     grads = dict(zip(params, torch.autograd.grad(y.sum(), list(params.values()), create_graph=True)))
-    leaves = dict(model.named_parameters())
-    expected = dict(
-        zip(leaves, torch.autograd.grad(model(x).sum(), list(leaves.values()), create_graph=True))
-    )
-    for name in ("a.weight", "b.weight"):  # b.weight: rows uneven over dp
-        (got,) = torch.autograd.grad((grads[name] * grads[name]).sum(), [params["c"]], retain_graph=True)
-        (want,) = torch.autograd.grad(
-            (expected[name] * expected[name]).sum(), [leaves["c"]], retain_graph=True
+    names = ("a.weight", "b.weight")  # b.weight: rows uneven over dp
+    got = {
+        name: torch.autograd.grad((grads[name] * grads[name]).sum(), [params["c"]], retain_graph=True)[0]
+        for name in names
+    }
+
+    def one_device(model, x):
+        leaves = dict(model.named_parameters())
+        grads = dict(
+            zip(leaves, torch.autograd.grad(model(x).sum(), list(leaves.values()), create_graph=True))
         )
-        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-5, msg=name)
+        return {
+            name: torch.autograd.grad((grads[name] * grads[name]).sum(), [leaves["c"]], retain_graph=True)[0]
+            for name in names
+        }
+
+    assert_close(
+        {n: g.full_tensor() for n, g in got.items()},
+        one_device(*in_float64((model, x))),
+        one_device(model, x),
+    )
