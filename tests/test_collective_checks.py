@@ -8,7 +8,6 @@ mismatch found leaves their groups usable), and ranks that exit or wait elsewher
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import rank_trials
@@ -177,14 +176,12 @@ def job_mismatch(kind: str) -> dict:
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    start = time.monotonic()
     try:
         with fd.check_collectives(timeout=20):
             KINDS[kind](world, _rank() == world - 1)
         ended = {"types": [], "message": "no error"}
     except Exception as e:
         ended = {"types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
-    ended["elapsed"] = time.monotonic() - start
     f = fd.shard_map(lambda v: fd.psum(v, "x"), mesh=_mesh(world), in_specs=fd.P("x"), out_specs=fd.P())
     ended["after"] = f(torch.ones(world)).full_tensor().tolist()
     return ended
@@ -203,7 +200,8 @@ def test_every_mismatch_is_found_on_every_rank(kind, world, gloo):
         assert "CollectiveMismatchError" in got["types"], f"rank {rank}: {got}"
         assert "CommunicationError" in got["types"] and "RuntimeError" in got["types"]
         message = got["message"]
-        assert got["elapsed"] < 15, got  # found at once, not at a timeout
+        # found by comparing the ranks' calls (the message says how they differ), not at the checks'
+        # timeout (20 s): the job's own bound (60 s) is the harness's, no clock is read here
         # both ranks' calls, each with its line in this file
         assert message.count(f"{here}:") >= 2, message
         assert "called different collectives" in message and "they differ in" in message, message

@@ -7,7 +7,6 @@ never mocked; the tests that break a pool on purpose run last (``breaks_pool``).
 from __future__ import annotations
 
 import os
-import time
 import traceback
 
 import pytest
@@ -283,32 +282,25 @@ def job_stuck_rank(mode: str) -> dict | None:
         if mode == "exit":
             os._exit(3)
         return None  # alive, but never joins rank 0's psum
-    start = time.monotonic()
     try:
         f(torch.ones(2)).full_tensor()
     except BaseException as e:
-        return {
-            "elapsed": time.monotonic() - start,
-            "types": [c.__name__ for c in type(e).__mro__],
-            "message": str(e)[:500],
-        }
-    return {"elapsed": time.monotonic() - start, "types": [], "message": "no error"}
+        return {"types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    return {"types": [], "message": "no error"}
 
 
 @pytest.mark.breaks_pool
 def test_stuck_rank_becomes_an_error_within_the_timeout():
     """A rank that never joins a collective: the others raise when the group's timeout fires
-    (a pool of its own, with a short timeout, discarded after)."""
+    (a pool of its own, with a short timeout, discarded after). The bound is the job's: rank 0
+    answers within it or the run fails; the test reads no clock."""
     with RankPool(2, timeout=COLLECTIVE_TIMEOUT) as pool:
         pool.wait_ready()
-        start = time.monotonic()
         got = pool.run(job_stuck_rank, "skip", timeout=COLLECTIVE_TIMEOUT + 25)[0]
-        elapsed = time.monotonic() - start
         pool.discard()  # rank 0's group timed out: it is unusable
         assert all(not alive for alive in _alive(pool)), "ranks left running"
     assert "CommunicationError" in got["types"] and "RuntimeError" in got["types"], got
-    assert COLLECTIVE_TIMEOUT * 0.8 < got["elapsed"] < COLLECTIVE_TIMEOUT + 10, got  # the timeout fired
-    assert elapsed < COLLECTIVE_TIMEOUT + 15, elapsed
+    assert "Timed out" in got["message"], got  # gloo's word: the group's timeout fired
 
 
 def _alive(pool: RankPool) -> list[bool]:
@@ -318,14 +310,12 @@ def _alive(pool: RankPool) -> list[bool]:
 @pytest.mark.breaks_pool
 def test_dead_rank_becomes_a_communication_error(gloo):
     """Rank 1 of the session's 2-rank pool exits while rank 0 runs psum: rank 0 raises promptly
-    (the pool is broken after, and the next use starts a fresh one)."""
-    start = time.monotonic()
+    (the pool is broken after, and the next use starts a fresh one). Promptly: well within the
+    group's 60 s timeout, or the job's 30 s bound fails the run; the test reads no clock."""
     with pytest.raises(RankError, match="rank 1 died") as info:
-        gloo.run(2, job_stuck_rank, "exit", timeout=60)
-    elapsed = time.monotonic() - start
+        gloo.run(2, job_stuck_rank, "exit", timeout=30)
     rank0 = info.value.outcomes[0]
     assert rank0 is not None and rank0.ok, info.value
     got = rank0.value
     assert "CommunicationError" in got["types"] and "RuntimeError" in got["types"], got
-    assert got["elapsed"] < 10, got
-    assert elapsed < 30, elapsed
+    assert "Timed out" not in got["message"], got  # the peer's exit, not the group's timeout

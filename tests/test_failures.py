@@ -1,9 +1,10 @@
 """Killed and stuck ranks: a rank that raises, exits, is killed (SIGKILL) or gets stuck, before,
 inside or between collectives, inside ``shard_map``, ``redistribute``, global operations and a
-training step. Every other rank must fail within the collective timeout with a
+training step. Every other rank must fail within the trial's deadline with a
 ``fd.CommunicationError`` that names the collective and the mesh axis, and no process may be
-left behind. Twenty trials at seeded random points on fresh gloo ranks (:mod:`rank_trials`);
-the slowest detection is printed."""
+left behind. Twenty trials at seeded random points on fresh gloo ranks (:mod:`rank_trials`), in
+the slow tier; the slowest detection is printed (a figure, not a verdict: no test reads a
+clock to pass or fail)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def test_the_trials_cover_every_failure_and_place():
     assert {w for _, w, _ in drawn} == {2, 4}
 
 
-def test_killed_and_stuck_ranks_fail_every_other_rank_promptly(capsys):
+@pytest.mark.slow
+def test_killed_and_stuck_ranks_fail_every_other_rank(capsys):
     records = []
     hangs = []
     for program, world, plan in plans():
@@ -83,9 +85,7 @@ def test_killed_and_stuck_ranks_fail_every_other_rank_promptly(capsys):
             assert not got["ok"], f"{where}: rank {rank} finished as if nothing happened"
             assert "CommunicationError" in got["types"], f"{where}: rank {rank}: {got}\n{trial.logs[rank]}"
             assert _NAMED.search(got["message"]), f"{where}: rank {rank}: {got['message']}"
-            detection = got["time"] - trial.failed["time"]
-            assert detection < TIMEOUT + 2, f"{where}: rank {rank} took {detection:.2f} s"
-            records.append((detection, where, rank, got["message"]))
+            records.append((got["time"] - trial.failed["time"], where, rank, got["message"]))
         # no process left behind: the survivors exited by themselves, only a stuck rank was
         # killed (as torchrun would tear it down), and every process is gone
         assert set(trial.killed) <= ({plan.rank} if plan.how == "stall" else set()), (where, trial.killed)

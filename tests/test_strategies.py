@@ -83,12 +83,28 @@ def test_bad_arguments_raise_at_call_time(call, argument):
     assert ": expected " in message and ", got " in message and ". Fix: " in message
 
 
-def test_strategies_accept_a_mesh_or_a_strategy_of_meshes():
-    for mesh in (MESH, fds.meshes(max_devices=4), st.just(MESH)):
-        fds.placements(mesh, 2)
-        fds.specs(mesh, 2)
-        fds.layouts(mesh, 2)
-        fds.sharded_cases(mesh=mesh)
+#: a mesh argument -> what the meshes drawn from it satisfy
+MESH_ARGUMENTS = {
+    "a mesh": (MESH, lambda m: m == MESH),
+    "a strategy of meshes": (fds.meshes(max_devices=4), lambda m: m.size <= 4),
+    "st.just": (st.just(MESH), lambda m: m == MESH),
+}
+
+
+@pytest.mark.parametrize("mesh_argument, is_mesh", list(MESH_ARGUMENTS.values()), ids=list(MESH_ARGUMENTS))
+@given(data=st.data())
+def test_strategies_accept_a_mesh_or_a_strategy_of_meshes(mesh_argument, is_mesh, data):
+    """Each strategy taking a mesh takes a mesh or a strategy drawing meshes, and draws values
+    on that mesh."""
+    placements = data.draw(fds.placements(mesh_argument, 2))
+    assert all(isinstance(p, fd.Placement) for p in placements)
+    assert 1 <= len(placements) <= 4 and (len(placements) == 2 or not is_mesh(MESH))
+    spec = data.draw(fds.specs(mesh_argument, 2))
+    assert isinstance(spec, fd.P) and len(spec) <= 2
+    layout = data.draw(fds.layouts(mesh_argument, 2))
+    assert isinstance(layout, fd.Layout) and is_mesh(layout.mesh)
+    case = data.draw(fds.sharded_cases(mesh=mesh_argument))
+    assert is_mesh(case.mesh) and case.layout.mesh == case.mesh
 
 
 # ---------------------------------------------------------------------------------------------
