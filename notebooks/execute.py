@@ -6,11 +6,12 @@
 
 Each notebook runs top to bottom in a fresh kernel of this interpreter (ipykernel), with its
 directory as the working directory and a fixed environment (:data:`FIXED_ENV`: hash seed, one
-thread, the width rich draws at). The written file holds nothing volatile: execution counts are
-1, 2, 3, ..., cells carry no timing metadata, the notebook's metadata is kept as it was (not the
-kernel's version details), adjacent pieces of one stream are joined (the kernel splits printed
-text at random points in time), and the JSON is nbformat's (indent 1, sorted keys, a trailing
-newline). Executing again without changing the code rewrites the same bytes.
+thread, the width rich draws at; an empty IPython profile and hypothesis directory). The
+written file holds nothing volatile: execution counts are 1, 2, 3, ..., cells carry no timing
+metadata, the notebook's metadata is kept as it was (not the kernel's version details), adjacent
+pieces of one stream are joined (the kernel splits printed text at random points in time), and
+the JSON is nbformat's (indent 1, sorted keys, a trailing newline). Executing again without
+changing the code rewrites the same bytes.
 
 :func:`compare` (behind ``--check``, and ``tests/test_notebooks.py``) compares the outputs of a
 fresh execution with the committed ones, cell by cell. Text (streams, ``text/plain``,
@@ -84,11 +85,17 @@ IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/svg+xml")
 IGNORED_TYPES = ("application/vnd.jupyter.widget-view+json",)  # model ids change every run
 
 
-def kernel_env(ipython_dir: str) -> dict[str, str]:
-    """The environment each notebook's kernel runs in; ``ipython_dir``: an empty directory for
-    IPython's profile (no startup files or configuration of the user's)."""
+def kernel_env(scratch: str) -> dict[str, str]:
+    """The environment each notebook's kernel runs in; ``scratch``: an empty directory for
+    IPython's profile (no startup files or configuration of the user's) and hypothesis's files
+    (none written beside the notebooks)."""
     passed = {name: os.environ[name] for name in PASSED_ENV if name in os.environ}
-    return {**passed, **FIXED_ENV, "IPYTHONDIR": ipython_dir}
+    return {
+        **passed,
+        **FIXED_ENV,
+        "IPYTHONDIR": os.path.join(scratch, "ipython"),
+        "HYPOTHESIS_STORAGE_DIRECTORY": os.path.join(scratch, "hypothesis"),
+    }
 
 
 def notebook_paths(names: Sequence[str] = ()) -> list[Path]:
@@ -129,7 +136,7 @@ def _kernel_manager():
     return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisInterpreter())
 
 
-async def execute_async(path: Path, ipython_dir: str) -> NotebookNode:
+async def execute_async(path: Path, scratch: str) -> NotebookNode:
     """The notebook at ``path`` executed in a fresh kernel, normalized; the file is not written."""
     from nbclient import NotebookClient
 
@@ -144,7 +151,7 @@ async def execute_async(path: Path, ipython_dir: str) -> NotebookNode:
         resources={"metadata": {"path": str(path.parent)}},
         extra_arguments=["--HistoryManager.enabled=False", "--log-level=ERROR"],
     )
-    await client.async_execute(env=kernel_env(ipython_dir), cleanup_kc=True)  # and shut the kernel down
+    await client.async_execute(env=kernel_env(scratch), cleanup_kc=True)  # and shut the kernel down
     return normalize_notebook(nb, metadata=source.metadata)
 
 
@@ -155,9 +162,9 @@ async def _execute_all(paths: Sequence[Path], jobs: int) -> list[NotebookNode | 
 
         async def one(path):
             async with gate:
-                ipython_dir = Path(scratch, path.stem)  # one for each kernel
-                ipython_dir.mkdir()
-                return await execute_async(path, str(ipython_dir))
+                own = Path(scratch, path.stem)  # one for each kernel
+                (own / "ipython").mkdir(parents=True)
+                return await execute_async(path, str(own))
 
         return await asyncio.gather(*(one(p) for p in paths), return_exceptions=True)
 
