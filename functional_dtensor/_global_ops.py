@@ -199,9 +199,13 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
         required = [
             _ordered(mesh, tuple(o.inputs[i] for o in combination), orders) for i in range(len(tensors))
         ]
-        planned = [_steps(c, r, s, t.dtype) for c, r, s, t in zip(current, required, shapes, tensors)]
-        cost = sum((c for _, c in planned), Fraction(0))
-        if best is None or cost < best[0]:
+        planned, cost = [], Fraction(0)
+        for c, r, s, t in zip(current, required, shapes, tensors):
+            if best is not None and cost >= best[0]:  # no cheaper than the best: plan no further
+                break
+            planned.append(_steps(c, r, s, t.dtype))
+            cost += planned[-1][1]
+        if best is None or (len(planned) == len(tensors) and cost < best[0]):
             best = (cost, combination, required, planned)
     cost, combination, required, planned = best
     output = _ordered(mesh, tuple(o.output for o in combination), orders)

@@ -280,6 +280,7 @@ def _state(layout: Layout, ndim: int) -> tuple[Placements, Orders]:
     return layout.placements, tuple(layout.sharding_axes(d) for d in range(ndim))
 
 
+@cached(8192)
 def _layout(mesh, placements: Placements, orders: Orders) -> Layout:
     return Layout(mesh, placements, tuple((d, axes) for d, axes in enumerate(orders) if len(axes) > 1))
 
