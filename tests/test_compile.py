@@ -90,12 +90,13 @@ def check(results: list[dict], mesh, axes, name: str, check_rep: bool) -> None:
         assert got["eager"]["comm"], "the case communicates"
 
 
-CASES = [
+SLOW = pytest.mark.slow
+CASES = [  # the first two in the default run, each compile of the others in the slow tier
     ("mlp", True, True),
-    ("mlp", False, True),
-    ("mlp", True, False),
     ("all_gather then psum_scatter", True, True),
-    ("pmax", False, True),
+    pytest.param("mlp", False, True, marks=SLOW),
+    pytest.param("mlp", True, False, marks=SLOW),
+    pytest.param("pmax", False, True, marks=SLOW),
 ]
 
 

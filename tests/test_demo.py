@@ -21,6 +21,7 @@ def test_the_tour_runs_and_checks_itself(capsys):
     assert "all_reduce" in out and "all_to_all" in out and "P(sum)" in out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_tour_on_four_gloo_ranks():
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]

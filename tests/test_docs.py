@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import ast
 import doctest
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,20 +27,10 @@ def pycon_source(text: str) -> str:
     return "\n".join(lines)
 
 
-def test_mkdocs_build_strict(tmp_path):
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"mkdocs build --strict failed:\n{output}"
+def test_mkdocs_build_strict(built_site):
+    site, output = built_site  # conftest: built once, --strict
     assert "WARNING" not in output, f"mkdocs build warned:\n{output}"
-    assert (tmp_path / "index.html").exists()
+    assert (site / "index.html").exists()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

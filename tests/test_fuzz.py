@@ -8,8 +8,9 @@ gradient for floating dtypes) or raises one of the library's own errors
 1-device and 64-device meshes, Partial layouts, non-contiguous and strided inputs, broadcasting,
 and float16, bfloat16, float64, integers, bool and complex values.
 
-The default (``ci``) profile runs a short derandomized slice; the long one runs at least 10,000
-drawn examples on the simulated backend::
+Each fuzz test runs twice: a short derandomized slice in the default run, and its ``_long``
+twin (:data:`LONG_EXAMPLES` derandomized examples) in the slow tier (``python -m pytest -m slow``,
+which CI runs too). The ``fuzz`` profile draws fresh random examples, over 10,000 in all::
 
     FD_PROFILE=fuzz python -m pytest tests/test_fuzz.py -m "not distributed" --hypothesis-show-statistics
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from backends import per_device
 from catalogue import cases, mapped
+from common import assert_close
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -35,21 +37,25 @@ from functional_dtensor._sharding import shard_table
 from functional_dtensor.testing import strategies as fds
 
 LIBRARY_ERROR = fd.FunctionalDTensorError
+LONG_EXAMPLES = 1500  # each fuzz test's examples in the slow tier
+
+
+def fuzz(**strategies):
+    """``@given(**strategies)`` for the default run's slice, and the same body, drawn
+    :data:`LONG_EXAMPLES` times, as the test ``<name>_long`` in the slow tier."""
+
+    def decorate(body):
+        long = settings(max_examples=LONG_EXAMPLES)(given(**strategies)(body))
+        globals()[f"{body.__name__}_long"] = pytest.mark.slow(long)
+        return given(**strategies)(body)
+
+    return decorate
+
+
 LOW = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float32, torch.float64)
 EXACT = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool)
 ALL_DTYPES = (*FLOATS, *LOW, *EXACT, torch.complex64)
-# relative tolerance per dtype: summation order differs across shards
-RTOL = {
-    torch.float64: 1e-9,
-    torch.float32: 2e-5,
-    torch.float16: 4e-3,
-    torch.bfloat16: 3e-2,
-    torch.complex64: 2e-5,
-    torch.complex32: 4e-3,  # a 0-d complex64 value with a float16 tensor promotes to it
-}
-
-
 # --- values ------------------------------------------------------------------------------------
 
 
@@ -101,23 +107,17 @@ def assert_matches(got, want: torch.Tensor, what: str, scale: float = 1.0, input
     """``got`` (an fd.DTensor or a tensor) is ``want``: shape, dtype and values (exact for
     integers and bool; for floating and complex values within the tolerance of the loosest of
     their dtype and the ``inputs``' dtypes -- a float16 input split into Partial(sum) parts
-    rounds in float16 before a promotion -- scaled by ``scale`` for sums of many terms)."""
+    rounds in float16 before a promotion -- widened for sums of up to ``scale`` terms: see
+    ``common.assert_close``)."""
     full = got.full_tensor() if isinstance(got, fd.DTensor) else got
     assert isinstance(full, torch.Tensor), f"{what}: got {type(full).__name__}"
     assert full.shape == want.shape, f"{what}: shape {tuple(full.shape)} vs {tuple(want.shape)}"
     assert full.dtype == want.dtype, f"{what}: dtype {full.dtype} vs {want.dtype}"
     if isinstance(got, fd.DTensor):
         assert got.shape == want.shape and got.dtype == want.dtype, what
-    if want.dtype in RTOL:
-        rtol = max(RTOL.get(d, 0.0) for d in (want.dtype, *inputs))
-        if want.dtype == torch.complex32:  # few CPU kernels take it: compared as complex64
-            full, want = full.to(torch.complex64), want.to(torch.complex64)
-        atol = rtol * max(1.0, scale)
-        torch.testing.assert_close(
-            full, want, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}: {m}"
-        )
-    else:
-        assert torch.equal(full, want), f"{what}: {full} vs {want}"
+    if want.dtype == torch.complex32:  # few CPU kernels take it: compared as complex64
+        full, want = full.to(torch.complex64), want.to(torch.complex64)
+    assert_close(full, want, terms=scale, dtypes=tuple(inputs), msg=what)
 
 
 class Outcome(NamedTuple):
@@ -181,7 +181,7 @@ def differentiable(dtype) -> bool:
 # --- (a) redistribute ------------------------------------------------------------------------------
 
 
-@given(
+@fuzz(
     mesh=meshes(),
     shape=shapes(),
     dtype=dtypes,
@@ -532,7 +532,7 @@ def run_op(op: Op, mesh, layouts, xs, params, grad: bool, what: str) -> None:
         assert_matches(g, w, f"{what}: gradient of input {i}", scale=_scale([x.shape for x in xs]))
 
 
-@given(
+@fuzz(
     op=st.sampled_from(OPS),
     mesh=meshes(max_devices=64),
     dtypes_=st.tuples(dtypes, dtypes),
@@ -572,7 +572,7 @@ def _second_derivatives(outs, leaves, cotangents, directions):
     ]
 
 
-@given(
+@fuzz(
     op=st.sampled_from([op for op in OPS if op.smooth]),
     mesh=meshes(max_devices=16),
     seed=st.integers(0, 2**16),
@@ -626,7 +626,7 @@ CATALOGUE_NAMES = [c.name for c in cases(fd.simulated_mesh(2, "x"), ("x",))]
 SHARD_MAP_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-@given(
+@fuzz(
     mesh_axes=mesh_and_axes(),
     name=st.sampled_from(CATALOGUE_NAMES),
     m=st.integers(0, 3),
@@ -660,7 +660,7 @@ def test_fuzz_catalogue(mesh_axes, name, m, dtype, form, seed):
             assert_matches(g, w, f"{what}: gradient of input {i}", scale=scale)
 
 
-@given(
+@fuzz(
     case=fds.sharded_cases(mesh=meshes(max_devices=64), max_dims=3, max_elements=256, dtype=dtypes),
     spec_case=st.data(),
     seed=st.integers(0, 2**16),
@@ -759,7 +759,7 @@ def interpret(program, x, mesh=None):
     return x
 
 
-@given(
+@fuzz(
     mesh=meshes(max_devices=64),
     shape=shapes(max_dims=3, max_side=6, max_elements=96),
     dtype=st.sampled_from((torch.float64, torch.float64, torch.float32, torch.bfloat16, torch.int64)),

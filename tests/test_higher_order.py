@@ -192,7 +192,9 @@ def hvp_of_captured(mesh, check_rep: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.filterwarnings("ignore:Attempted to insert a get_attr Node")
-@pytest.mark.meshes(Mesh((2,), axes=("x",)), Mesh((4,), axes=("x",)), Mesh((2, 2), axes=("y", "x")))
+@pytest.mark.meshes(
+    Mesh((2,), axes=("x",)), Mesh((4,), axes=("x",)), Mesh((2, 2), axes=("y", "x")), slow=("gloo-4",)
+)
 def test_representative_programs_on_both_backends(backend, mesh):
     x, v = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
     results = backend.run(job_derivatives, mesh.shape, mesh.names, mesh.axes, x, v)

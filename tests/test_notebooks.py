@@ -10,8 +10,6 @@ from __future__ import annotations
 import base64
 import copy
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -259,20 +257,11 @@ def test_docs_link_every_notebook():
     assert all(f"notebooks/{name}.ipynb" in (ROOT / "mkdocs.yml").read_text("utf-8") for name in NAMES)
 
 
-def test_docs_site_shows_the_outputs(tmp_path):
-    """The site, built as tests/test_docs.py builds it, renders every notebook with its
-    committed outputs: printed text, rich's pictures and tables, the SVG loss curves."""
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "WARNING" not in output, output
+def test_docs_site_shows_the_outputs(built_site):
+    """The site (conftest's build, the one tests/test_docs.py checks) renders every notebook
+    with its committed outputs: printed text, rich's pictures and tables, the SVG loss curves."""
+    tmp_path, output = built_site
+    assert "WARNING" not in output, output
     pages = {name: (tmp_path / "notebooks" / name / "index.html").read_text("utf-8") for name in NAMES}
     home = (tmp_path / "index.html").read_text("utf-8")
     assert all(f'href="notebooks/{name}/"' in home for name in NAMES)  # in the nav
