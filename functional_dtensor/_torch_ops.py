@@ -1234,7 +1234,26 @@ def _einsum_params(args, kwargs, tensors):
             )
         )
     inputs, output = equation.split("->")
-    return (tuple(inputs.split(",")), output)
+    terms = inputs.split(",")
+    summed = {  # labels contracted between operands (a label of one operand alone is a sum)
+        label: t.shape[term.index(label)]
+        for term, t in zip(terms, tensors)
+        for label in term
+        if label not in output and sum(label in other for other in terms) > 1
+    }
+    if any(t.dtype == torch.bool for t in tensors) and any(size > 1 for size in summed.values()):
+        # torch's kernel (bmm) refuses bool for a contraction longer than one; a device's block of
+        # it may be one long or empty, where it would not: refused as on one device
+        raise InputTypeError(
+            explain(
+                "torch.einsum",
+                "torch's einsum contracts bool operands only over dims of length one",
+                expected="numeric operands for a contraction longer than one",
+                got=f"bool operands summed over {summed}",
+                fix="convert first: torch.einsum(equation, a.int(), b.int())",
+            )
+        )
+    return (tuple(terms), output)
 
 
 def _einsum_rule(call):

@@ -8,6 +8,7 @@ import operator
 
 import pytest
 import torch
+from common import assert_close
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -66,12 +67,12 @@ def test_replicated_times_column_blocks_equals_unsharded(devices, lead, k, m, op
     )
     got = f(x, w).full_tensor()
     want = matmul(x, w)
-    torch.testing.assert_close(got, want)
+    assert_close(got, want)
     cotangent = torch.randn_like(want)
     for g, h in zip(
         _grads((got * cotangent).sum(), (x, w)), _grads((want * cotangent).sum(), (x, w)), strict=True
     ):
-        torch.testing.assert_close(g, h)
+        assert_close(g, h)
 
 
 @pytest.mark.parametrize("check_rep", [True, False])
@@ -85,7 +86,7 @@ def test_rule_applies_to_column_blocks_only(applied, check_rep):
         out_specs=fd.P(None, "tp"),
         check_rep=check_rep,
     )
-    torch.testing.assert_close(columns(x, w := torch.randn(5, 8)).full_tensor(), x @ w)
+    assert_close(columns(x, w := torch.randn(5, 8)).full_tensor(), x @ w)
     rows = fd.shard_map(
         lambda a, b: fd.psum(a[:, :2] @ b, "tp"),
         mesh=mesh,
@@ -94,7 +95,7 @@ def test_rule_applies_to_column_blocks_only(applied, check_rep):
         check_rep=check_rep,
     )
     v = torch.randn(8, 5)
-    torch.testing.assert_close(rows(x, v).full_tensor(), x[:, :2] @ v.reshape(4, 2, 5).sum(0))
+    assert_close(rows(x, v).full_tensor(), x[:, :2] @ v.reshape(4, 2, 5).sum(0))
     # row blocks do not fold into the columns of one matrix: functorch's rule runs
     assert applied == [True, False]
 
@@ -109,7 +110,7 @@ def test_rule_falls_back_when_blocks_do_not_fold(applied):
     y = fd.shard_map(
         lambda a, b: a @ b, mesh=mesh, in_specs=(fd.P(), fd.P(None, "tp")), out_specs=fd.P(None, "tp")
     )
-    torch.testing.assert_close(y(x, w).full_tensor(), x @ torch.cat(shards, dim=1))
+    assert_close(y(x, w).full_tensor(), x @ torch.cat(shards, dim=1))
     assert applied == [False]
 
 
@@ -124,9 +125,9 @@ def test_rule_under_outer_transforms(applied):
     x, w = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
     reference = lambda a, b: torch.relu(a @ b).sum(-1, keepdim=True)  # noqa: E731
     grad = torch.func.grad(lambda b: f(x, b).full_tensor().sum())(w)
-    torch.testing.assert_close(grad, torch.func.grad(lambda b: reference(x, b).sum())(w))
+    assert_close(grad, torch.func.grad(lambda b: reference(x, b).sum())(w))
     batched = torch.func.vmap(lambda a: f(a, w).full_tensor())(x.unsqueeze(1))
-    torch.testing.assert_close(batched, torch.func.vmap(lambda a: reference(a, w))(x.unsqueeze(1)))
+    assert_close(batched, torch.func.vmap(lambda a: reference(a, w))(x.unsqueeze(1)))
     assert True in applied
 
 

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 from backends import block, coordinates
+from common import assert_close
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,7 +46,7 @@ def loop_reduce(parts: list[torch.Tensor], op: str) -> torch.Tensor:
 def assert_equal_values(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
     if got.is_floating_point():
-        torch.testing.assert_close(got, want)
+        assert_close(got, want)
     else:
         assert torch.equal(got, want), (got, want)
 

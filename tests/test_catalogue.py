@@ -21,6 +21,7 @@ import pytest
 import torch
 from backends import Mesh, block, coordinates, per_device
 from catalogue import Case, cases, global_inputs, mapped, mesh_and_axes, pick, reference, run_case
+from common import assert_close
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,7 +53,7 @@ UNCHECKED += ["ppermute ring", "tensor-parallel matmul + psum", "mlp"]
 
 
 def close(got, want, what: str) -> None:
-    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+    assert_close(got, want, msg=lambda m: f"{what}: {m}")
 
 
 def check_case(backend, mesh: Mesh, name: str, check_rep: bool | None, seed: int) -> None:
@@ -174,10 +175,10 @@ def test_drawn_values_match_reference_on_every_device(mesh, name, unchecked):
         out = mapped(case, sim_mesh)(*inputs)
     expected = case.reference(*inputs)
     assert out.shape == expected.shape
-    torch.testing.assert_close(out.full_tensor(), expected)
+    assert_close(out.full_tensor(), expected)
     for d, coordinate in enumerate(coordinates(mesh.shape)):  # the plain loop over mesh coordinates
         want = block(expected, mesh.shape, mesh.names, case.out_specs, coordinate)
-        torch.testing.assert_close(out.to_local(device=d), want)
+        assert_close(out.to_local(device=d), want)
     assert comm.get_comm_counts() == case.comm
 
 
@@ -187,7 +188,7 @@ def test_drawn_gradients_match_single_device_autograd(mesh, name, unchecked):
     want = reference(case)
     got = run_case(mesh.simulated(), mesh.axes, name, case.check_rep)
     for g, w in zip(got["grads"], want["grads"], strict=True):
-        torch.testing.assert_close(torch.zeros_like(w) if g is None else g, w)
+        assert_close(torch.zeros_like(w) if g is None else g, w)
 
 
 @given(mesh_and_axes(max_devices=8), st.sampled_from(CASE_NAMES))
@@ -199,10 +200,10 @@ def test_drawn_func_grad_and_vmap_compose(mesh, name):
     got = torch.func.grad(functools.partial(_square_sum, mapped(case, sim_mesh)), argnums=argnums)(*inputs)
     want = torch.func.grad(functools.partial(_square_sum, case.reference), argnums=argnums)(*inputs)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w)
+        assert_close(g, w)
     batch = [torch.stack([t, 2 * t]) for t in inputs]
     got = torch.func.vmap(lambda *a: mapped(case, sim_mesh)(*a).full_tensor())(*batch)
-    torch.testing.assert_close(got, torch.func.vmap(case.reference)(*batch))
+    assert_close(got, torch.func.vmap(case.reference)(*batch))
 
 
 @given(mesh_and_axes(max_devices=8), st.sampled_from(CASE_NAMES))
@@ -220,4 +221,4 @@ def test_drawn_user_vmap_inside_the_per_device_function(mesh, name):
     )
     out = mapped(batched, sim_mesh)(*inputs).full_tensor()
     expected = case.reference(*inputs)
-    torch.testing.assert_close(out, torch.stack([expected, -2 * expected]))
+    assert_close(out, torch.stack([expected, -2 * expected]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common import assert_close
 
 import functional_dtensor as fd
 from functional_dtensor._varying import axes_varying
@@ -75,7 +76,7 @@ def test_tracked_transposes_need_no_defensive_all_reduce():
     assert f2.get_comm_counts() == {"all_reduce": 1}
     assert b2.get_comm_counts() == {"all_reduce": 4}  # plus the defensive psum of psum's cotangent
     for a, b in zip(grads, grads_unchecked, strict=True):
-        torch.testing.assert_close(a, b)
+        assert_close(a, b)
 
 
 def test_psum_of_a_sum_of_replicated_values_has_a_free_transpose():
@@ -83,6 +84,6 @@ def test_psum_of_a_sum_of_replicated_values_has_a_free_transpose():
     f = fd.shard_map(lambda w: fd.psum(w * 2, "x"), mesh=mesh, in_specs=fd.P(), out_specs=fd.P())
     with fd.CommDebugMode() as comm:
         (g,) = torch.autograd.grad(f(w).full_tensor().sum(), w)
-    torch.testing.assert_close(g, torch.full((3,), 4.0))
+    assert_close(g, torch.full((3,), 4.0))
     # forward: one all_reduce; backward: pvary's transpose sums over "x", nothing else
     assert comm.get_comm_counts() == {"all_reduce": 2}

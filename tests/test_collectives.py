@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from backends import Mesh, block, coordinates, events, group_of, index_along, per_device
-from common import check
+from common import assert_close, check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -242,7 +242,7 @@ def check_gradients(mesh: Mesh, name: str, axes, check_rep: bool, x, answers, si
     (want,) = torch.autograd.grad(full, x, cotangent(full.shape))
     for p, answer in enumerate(answers):
         at = f"{name} over {axes} (check_rep={check_rep}) on {mesh}, process {p}: gradient"
-        torch.testing.assert_close(answer["grad"], want, msg=lambda m, at=at: f"{at}: {m}")
+        assert_close(answer["grad"], want, msg=lambda m, at=at: f"{at}: {m}")
         if simulated is not None:  # the transposes run the same collectives as the simulated ones
             assert answer["backward"] == simulated["backward"], at
 
@@ -250,7 +250,7 @@ def check_gradients(mesh: Mesh, name: str, axes, check_rep: bool, x, answers, si
 def assert_equal(got: torch.Tensor, want: torch.Tensor, at: str) -> None:
     assert got.shape == want.shape, f"{at}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     if got.is_floating_point():
-        torch.testing.assert_close(got, want.to(got.dtype), msg=lambda m: f"{at}: {m}")
+        assert_close(got, want.to(got.dtype), msg=lambda m: f"{at}: {m}")
     else:
         assert torch.equal(got, want.to(got.dtype)), f"{at}:\n{got}\nexpected\n{want}"
 
@@ -449,7 +449,7 @@ def test_gather_then_scatter_over_axes_in_any_order(backend, mesh, data):
     shards = per_device(backend.run(job_chain, mesh.shape, mesh.names, x, tuple(first), tuple(second)))
     for d, coordinate in enumerate(coordinates(mesh.shape)):  # everyone gathers x, each keeps n x's block
         want = block(mesh.size * x, mesh.shape, mesh.names, fd.P(tuple(second)), coordinate)
-        torch.testing.assert_close(shards[d], want)
+        assert_close(shards[d], want)
 
 
 # --- errors ----------------------------------------------------------------------------------------

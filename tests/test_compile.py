@@ -15,6 +15,7 @@ import pytest
 import torch
 from backends import events
 from catalogue import global_inputs, mapped, pick, reference
+from common import assert_close
 
 import functional_dtensor as fd
 
@@ -69,7 +70,7 @@ def job_compiled(
 
 
 def close(got, want, what: str) -> None:
-    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+    assert_close(got, want, msg=lambda m: f"{what}: {m}")
 
 
 def check(results: list[dict], mesh, axes, name: str, check_rep: bool) -> None:
@@ -79,7 +80,7 @@ def check(results: list[dict], mesh, axes, name: str, check_rep: bool) -> None:
         cache_warnings = [w for w in got["warnings"] if "lru_cache" in w or "incorrectness" in w]
         assert cache_warnings == [], f"process {rank}: {cache_warnings}"
         assert got["graph_breaks"] == 0, f"process {rank}"
-        torch.testing.assert_close(got["eager"]["full"], want["full"])
+        assert_close(got["eager"]["full"], want["full"])
         for call in ("first", "second"):
             close(got[call]["full"], want["full"], f"process {rank}, {call} call: forward")
             for i, (g, w) in enumerate(zip(got[call]["grads"], want["grads"], strict=True)):
@@ -300,4 +301,4 @@ def test_a_transform_inside_the_per_device_function_is_refused_under_fullgraph()
     with pytest.raises(Exception, match="torch.func transform inside the per-device function"):
         torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(step, backend="aot_eager")(x), eager)
+    assert_close(torch.compile(step, backend="aot_eager")(x), eager)

@@ -12,6 +12,7 @@ import traceback
 import pytest
 import torch
 from catalogue import global_inputs, mapped, pick, run_case
+from common import assert_close
 from distributed_pool import RankError, RankPool
 
 import functional_dtensor as fd
@@ -32,7 +33,7 @@ def _rank() -> int:
 
 
 def close(got, want, what: str) -> None:
-    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+    assert_close(got, want, msg=lambda m: f"{what}: {m}")
 
 
 # --- process groups ------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from backends import (
     relayout,
     spec_of_shards,
 )
+from common import assert_close
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -52,13 +53,13 @@ def table_block(tensor: torch.Tensor, table, device: int) -> torch.Tensor:
 
 
 def assert_same(got: torch.Tensor, expected: torch.Tensor, *, exact: bool = True, terms: int = 1) -> None:
-    """Equal, or (``exact=False``) close to the rounding of a sum of ``terms`` values."""
+    """Equal, or (``exact=False``) close to the rounding of a sum of ``terms`` values (the
+    shared bound of ``common.assert_close``)."""
     assert got.shape == expected.shape and got.dtype == expected.dtype
     if exact:
         assert torch.equal(got, expected)
     else:
-        tolerance = max(terms * torch.finfo(got.dtype).eps, 1.3e-6)
-        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+        assert_close(got, expected, terms=terms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def test_factories_shapes_dtypes_and_values(name, case):
     assert full.shape == torch.Size(shape) and full.dtype == dtype
     fills = {"zeros": 0.0, "ones": 1.0, "full": 2.5}
     if name in fills:
-        torch.testing.assert_close(full, torch.full(shape, fills[name], dtype=dtype))
+        assert_close(full, torch.full(shape, fills[name], dtype=dtype))
     if name == "rand":
         assert bool(((full >= 0) & (full < 1)).all())
     if name in ("rand", "randn", "zeros", "ones", "full"):
@@ -319,7 +320,7 @@ def test_gradients_flow_through_distribute_and_full_tensor(case):
     x = fd.distribute_tensor(tensor, mesh, layout)
     assert x.requires_grad
     (x.full_tensor() * weight).sum().backward()
-    torch.testing.assert_close(tensor.grad, weight)
+    assert_close(tensor.grad, weight)
 
 
 @given(fds.sharded_cases(max_dims=3, dtype=torch.float64))
@@ -335,7 +336,7 @@ def test_gradients_flow_from_local_shards(case):
         if all(c == 0 or p.is_shard() for c, p in zip(mesh.coordinate(k), layout.placements, strict=True)):
             loss = loss + (x.to_local(device=k) * table_block(weight, case.table, k)).sum()
     loss.backward()
-    torch.testing.assert_close(tensor.grad, weight)
+    assert_close(tensor.grad, weight)
 
 
 # =============================================================================================
@@ -395,19 +396,19 @@ def check_round_trips(backend, mesh: Mesh, items) -> None:
             ), at
             for full in [got["full"], *[f for _, f in got["from_local"]]]:
                 if inexact:
-                    torch.testing.assert_close(full, value)
+                    assert_close(full, value)
                 else:
                     assert torch.equal(full, value), f"{at}, process {p}"
             assert all(s == tuple(shape) for s, _ in got["from_local"]), at
             if value.is_floating_point():
-                torch.testing.assert_close(got["grad"], torch.ones_like(value) * 3 + value)
+                assert_close(got["grad"], torch.ones_like(value) * 3 + value)
         shards = per_device(answers, "shards")
         assert len(shards) == mesh.size and all(s.dtype == value.dtype for s in shards), at
         blocks = reduce_partial(shards, mesh.shape, layout.placements)
         for coordinate, got in blocks.items():
             want = block(value, mesh.shape, mesh.names, spec_of_shards(layout), coordinate)
             if inexact:
-                torch.testing.assert_close(got, want)
+                assert_close(got, want)
             else:
                 assert torch.equal(got, want), f"{at}: device at {coordinate}"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import per_device
-from common import check, op_catalogue
+from common import assert_close, check, op_catalogue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +33,7 @@ def spread(t, layout, requires_grad=False):
 
 
 def close(got, expected):
-    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+    assert_close(got, expected)  # float64 values: float64's tolerance
 
 
 @st.composite
@@ -987,6 +987,20 @@ def test_a_matmul_torch_refuses_is_refused_with_a_contraction_of_one():
     a = fd.distribute_tensor(torch.ones(4, 1, dtype=torch.bool), mesh, fd.P("x"))
     b = fd.distribute_tensor(torch.ones(1, 3, dtype=torch.bool), mesh, fd.P())
     check(fd.InputTypeError, TypeError, lambda: a @ b, "matmul", "Bool")
+
+
+def test_a_bool_einsum_torch_refuses_is_refused_on_every_layout():
+    """Regression (the slow tier's fuzz): a bool einsum contracting a dim of length two, split
+    over 64 devices, ran on blocks of one row or none, where torch's kernel contracts bool only
+    over dims of length one (one device refuses): a value where torch raises. A sum of one
+    operand's own label, and a contraction of length one, are computed as torch computes them."""
+    mesh = fd.simulated_mesh(4, "x")
+    a = fd.distribute_tensor(torch.ones(1, 2, dtype=torch.bool), mesh, fd.P())
+    b = fd.distribute_tensor(torch.ones(2, 1, dtype=torch.bool), mesh, fd.P("x"))
+    check(fd.InputTypeError, TypeError, lambda: torch.einsum("ij,jk->ik", a, b), "einsum", "bool", "'j': 2")
+    assert torch.equal(torch.einsum("ij,k->ik", a, b[:, 0]).full_tensor(), torch.full((1, 2), 2))
+    one = fd.distribute_tensor(torch.ones(1, 1, dtype=torch.bool), mesh, fd.P())
+    assert torch.equal(torch.einsum("ij,jk->ik", one, one).full_tensor(), torch.ones(1, 1, dtype=torch.bool))
 
 
 @pytest.mark.parametrize(

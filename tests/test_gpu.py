@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from backends import Mesh, block, coordinates, events
 from catalogue import cases, global_inputs, mapped, pick, reference
-from common import op_catalogue
+from common import assert_close, in_float64, op_catalogue
 
 import functional_dtensor as fd
 from functional_dtensor import _philox_native
@@ -55,8 +55,8 @@ def on_device(tree, device: str) -> None:
         assert leaf is None or leaf.device.type == device, (leaf.device, device)
 
 
-def close(got, want, what: str, **tolerances) -> None:
-    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **tolerances)
+def close(got, want, what: str) -> None:
+    assert_close(got, want, msg=what)
 
 
 # --- the systematic shard_map catalogue -----------------------------------------------------------
@@ -320,16 +320,26 @@ def test_the_training_example_on_a_simulated_mesh_of_the_device(device, variant)
     torch.manual_seed(0)
     model = tt.Transformer(SMALL)
     reference, trained = tt.train_single(model, SMALL, 3, device=device)
+    reference64, trained64 = tt.train_single(in_float64(model), SMALL, 3, device=device)
     mesh = fd.simulated_mesh((2, 2), tt.axes_of(variant), device_type=device)
     losses, params, _, _ = tt.train_sharded(model, SMALL, mesh, variant, 3)
-    close(
-        torch.tensor(losses), torch.tensor(reference), f"{variant} losses on {device}", rtol=1e-5, atol=1e-5
-    )
     for name, p in trained.named_parameters():
         on_device([p, *params[name].local_shards()], device)
-        close(params[name].full_tensor(), p.detach(), f"{variant}: {name} on {device}", rtol=1e-4, atol=1e-5)
-    on_host, _ = tt.train_single(model, SMALL, 3)
-    close(torch.tensor(reference), torch.tensor(on_host), f"one {device} vs the CPU", rtol=1e-4, atol=1e-4)
+
+    def run(losses, params, dtype):
+        return {
+            "losses": torch.tensor(losses, dtype=dtype),
+            "params": {n: p.detach().cpu() for n, p in params},
+        }
+
+    want, want32 = (
+        run(reference64, trained64.named_parameters(), torch.float64),
+        run(reference, trained.named_parameters(), torch.float32),
+    )
+    got = run(losses, ((n, p.full_tensor()) for n, p in params.items()), torch.float32)
+    assert_close(got, want, want32, msg=f"{variant} on {device}")
+    on_host, _ = tt.train_single(model, SMALL, 3)  # the CPU's float32 training: as close as the device's own
+    assert_close(torch.tensor(on_host), want["losses"], want32["losses"], msg=f"one {device} vs the CPU")
     assert reference[-1] < reference[0]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from backends import local_devices
+from common import assert_close
 
 import functional_dtensor as fd
 
@@ -51,14 +52,14 @@ def device_weights(mesh_size: int) -> torch.Tensor:
 def test_to_local_replicate_with_partial_gradients_sums_them(backend, mesh):
     expected = torch.full((N,), mesh.size * (mesh.size + 1) / 2)
     for grad in backend.run(job_to_local_grad, mesh.shape, mesh.names, (R,), (Pa(),)):
-        torch.testing.assert_close(grad, expected)
+        assert_close(grad, expected)
 
 
 @pytest.mark.meshes((2,), (4,))
 def test_to_local_grad_placements_of_the_value_layout_are_the_default(backend, mesh):
     for grad_placements in (None, (S(0),), fd.P("x")):
         for grad in backend.run(job_to_local_grad, mesh.shape, mesh.names, (S(0),), grad_placements):
-            torch.testing.assert_close(grad, device_weights(mesh.size))
+            assert_close(grad, device_weights(mesh.size))
 
 
 @pytest.mark.meshes((2, 2))
@@ -68,7 +69,7 @@ def test_to_local_shard_with_partial_gradients_on_the_other_axis(backend, mesh):
     per_block = [float(sum(i * cols + j + 1 for j in range(cols))) for i in range(rows)]
     expected = torch.tensor(per_block).repeat_interleave(N // rows)
     for grad in backend.run(job_to_local_grad, mesh.shape, mesh.names, (S(0), R), (S(0), Pa())):
-        torch.testing.assert_close(grad, expected)
+        assert_close(grad, expected)
 
 
 @pytest.mark.meshes((2,), (4,), (2, 2))
@@ -77,7 +78,7 @@ def test_full_tensor_shard_with_partial_gradients_reduce_scatters(backend, mesh)
     for grad in backend.run(
         job_full_tensor_grad, mesh.shape, mesh.names, placements, (Pa(),) * len(mesh.shape)
     ):
-        torch.testing.assert_close(grad, mesh.size * weights(N))
+        assert_close(grad, mesh.size * weights(N))
 
 
 @pytest.mark.meshes((2,), (4,), (2, 2))
@@ -85,13 +86,13 @@ def test_full_tensor_shard_with_replicate_gradients_slices(backend, mesh):
     placements = fd.P(mesh.names)
     for grad_placements in (None, (R,) * len(mesh.shape), fd.P()):
         for grad in backend.run(job_full_tensor_grad, mesh.shape, mesh.names, placements, grad_placements):
-            torch.testing.assert_close(grad, weights(N))
+            assert_close(grad, weights(N))
 
 
 @pytest.mark.meshes((2, 2))
 def test_full_tensor_partial_on_one_axis_counts_that_axis(backend, mesh):
     for grad in backend.run(job_full_tensor_grad, mesh.shape, mesh.names, fd.P("y"), (Pa(), R)):
-        torch.testing.assert_close(grad, mesh.shape[0] * weights(N))
+        assert_close(grad, mesh.shape[0] * weights(N))
 
 
 def job_bad_grad_placements(mesh) -> list[str]:
@@ -142,5 +143,5 @@ def test_grad_placements_leave_forward_mode_as_it_is():
 
     for f in (local, full):
         value, tangent = torch.func.jvp(f, (w,), (torch.ones_like(w),))
-        torch.testing.assert_close(value, 3 * w)
-        torch.testing.assert_close(tangent, torch.full_like(w, 3.0))
+        assert_close(value, 3 * w)
+        assert_close(tangent, torch.full_like(w, 3.0))

@@ -25,6 +25,7 @@ import pytest
 import torch
 from backends import Mesh
 from catalogue import Case, cases, global_inputs, mapped, mesh_and_axes, pick
+from common import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,7 +78,7 @@ def check_rep_as(case: Case, check_rep: bool) -> Case:
 def compare(got, want, what: str) -> None:
     assert len(got) == len(want), what
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(a, b, msg=lambda m, i=i: f"{what}, result {i}: {m}")
+        assert_close(a, b, msg=lambda m, i=i: f"{what}, result {i}: {m}")
 
 
 # --- drawn on the simulated backend ----------------------------------------------------------
@@ -257,6 +258,4 @@ def test_transforms_inside_and_around_the_function_unchecked(backend, mesh):
     }
     for p, got in enumerate(backend.run(job_transforms_inside_and_around, mesh.shape, mesh.names)):
         for key, value in want.items():
-            torch.testing.assert_close(
-                got[key], value, msg=lambda m, key=key, p=p: f"process {p}, {key}: {m}"
-            )
+            assert_close(got[key], value, msg=lambda m, key=key, p=p: f"process {p}, {key}: {m}")

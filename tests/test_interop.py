@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from backends import Mesh, all_specs, coordinates
+from common import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor as TorchDTensor
@@ -290,8 +291,8 @@ def test_drawn_layouts_round_trip_with_torchs_global_value(backend, mesh, data):
             assert got["shards"] and got["torch_shards"]
             assert got["shape"] == (shape, shape)
             if got["full"] is not None:
-                torch.testing.assert_close(got["full"], value_of(shape, seed))
-            torch.testing.assert_close(got["y_full"], value_of(shape, seed))
+                assert_close(got["full"], value_of(shape, seed))
+            assert_close(got["y_full"], value_of(shape, seed))
 
 
 @pytest.mark.meshes((2, 2), (4,))
@@ -309,7 +310,7 @@ def test_every_spec_round_trips_even_and_uneven(backend, mesh):
         for (shape, *_, seed), got in zip(items, result, strict=True):
             assert got["layout"] and got["placements"] and got["shards"] and got["torch_shards"]
             if got["full"] is not None:
-                torch.testing.assert_close(got["full"], value_of(shape, seed))
+                assert_close(got["full"], value_of(shape, seed))
 
 
 def job_strided_blocks(mesh) -> dict:
@@ -397,9 +398,9 @@ def job_torch_ops(mesh) -> dict:
 def test_torch_ops_on_converted_values_match_fds_global_ops(backend, mesh):
     for result in backend.run(job_torch_ops, mesh.shape):
         for name, value in result["fd"].items():
-            torch.testing.assert_close(result["torch"][name], value)
+            assert_close(result["torch"][name], value)
         if result["back"] is not None:
-            torch.testing.assert_close(result["back"], result["fd"]["matmul"])
+            assert_close(result["back"], result["fd"]["matmul"])
 
 
 # --- gloo: meshes and process groups, gradients -------------------------------------------------
@@ -492,7 +493,7 @@ def test_a_mesh_and_values_torch_made_alone_come_over(gloo):
         assert result["strided"][0] == fd.P(("cols", "rows"))
         assert result["columns"][0] == fd.P(None, "cols")
         for value in (result["strided"][1], result["replicated"], result["columns"][1]):
-            torch.testing.assert_close(value, t)
+            assert_close(value, t)
 
 
 def job_gradients(mesh) -> dict:
@@ -528,8 +529,8 @@ def test_gradients_flow_through_both_conversions(backend, mesh):
     for result in backend.run(job_gradients, mesh.shape):
         for got in result.values():
             assert got["requires_grad"] == (True, True)
-            torch.testing.assert_close(got["t"], 2 * value_of((8, 4), 3))
-            torch.testing.assert_close(got["leaf"], 3 * value_of((8, 4), 4) ** 2)
+            assert_close(got["t"], 2 * value_of((8, 4), 3))
+            assert_close(got["leaf"], 3 * value_of((8, 4), 4) ** 2)
 
 
 def test_simulated_conversions_hold_every_device_shard():
@@ -545,7 +546,7 @@ def test_simulated_conversions_hold_every_device_shard():
             made = torch_distribute(value_of((5, 3), 6), fd.to_torch(mesh), [TorchReplicate(), TorchShard(1)])
         y = fd.from_torch(made)
         assert y.device_mesh == mesh and y.spec == fd.P(None, "y")
-        torch.testing.assert_close(y.full_tensor(), value_of((5, 3), 6))
+        assert_close(y.full_tensor(), value_of((5, 3), 6))
 
 
 # --- FSDP2 on fd's tensor-parallel weights ------------------------------------------------------
@@ -628,6 +629,6 @@ def test_fd_sharded_weights_train_under_fsdp2_as_on_one_device(gloo):
             "2.bias": fd.P("dp"),
         }
         for got, want in zip(result["losses"], expected_losses, strict=True):
-            torch.testing.assert_close(got, want[rank // 2])
+            assert_close(got, want[rank // 2])
         for name, param in reference.named_parameters():
-            torch.testing.assert_close(result["weights"][name], param.detach())
+            assert_close(result["weights"][name], param.detach())

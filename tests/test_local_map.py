@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import check
+from common import assert_close, check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -61,10 +61,10 @@ def test_values_and_gradients_equal_one_device(backend, mesh, n):
     loss = y.square().sum() + (z * torch.tensor([1.0, 2.0, 3.0])).sum()
     expected = torch.autograd.grad(loss, (t, w))
     for got in backend.run(job_rows_times_weight, mesh.shape, mesh.names, n):
-        torch.testing.assert_close(got["y"], y.detach())
-        torch.testing.assert_close(got["z"], z.detach())
+        assert_close(got["y"], y.detach())
+        assert_close(got["z"], z.detach())
         for g, e in zip(got["grads"], expected):
-            torch.testing.assert_close(g, e)
+            assert_close(g, e)
         assert got["placements"][0][0] == S(0) and got["placements"][1][0] == Pa()
     if backend.is_simulated:  # every device's func saw its true shard (torch.chunk's split)
         rows = [len(c) for c in torch.arange(n).chunk(mesh.shape[0])]
@@ -102,8 +102,8 @@ def test_drawn_layouts_elementwise_values_and_gradients(case, seed):
     t_ref = t.detach().requires_grad_()
     y_ref = f(t_ref)
     (expected,) = torch.autograd.grad((y_ref * weight).sum(), t_ref)
-    torch.testing.assert_close(y.full_tensor(), y_ref)
-    torch.testing.assert_close(grad, expected)
+    assert_close(y.full_tensor(), y_ref)
+    assert_close(grad, expected)
 
 
 def test_uneven_func_sees_true_shards_and_outputs_may_be_uneven():
@@ -146,8 +146,8 @@ def test_redistribute_inputs(backend, mesh):
     t = torch.arange(8.0, requires_grad=True)
     (expected,) = torch.autograd.grad((torch.cumsum(t, 0) * torch.arange(8.0)).sum(), t)
     for got in backend.run(job_redistributed, mesh.shape, mesh.names):
-        torch.testing.assert_close(got["y"], torch.cumsum(t.detach(), 0))
-        torch.testing.assert_close(got["grad"], expected)
+        assert_close(got["y"], torch.cumsum(t.detach(), 0))
+        assert_close(got["grad"], expected)
         assert got["placements"] == (R,) * len(mesh.shape)
 
 
@@ -248,9 +248,9 @@ def test_under_torch_compile():
     t_ref, w_ref = t.detach().requires_grad_(), w.detach().requires_grad_()
     expected = torch.tanh(t_ref @ w_ref).square().sum()
     expected_grads = torch.autograd.grad(expected, (t_ref, w_ref))
-    torch.testing.assert_close(got, expected)
+    assert_close(got, expected)
     for g, e in zip(got_grads, expected_grads):
-        torch.testing.assert_close(g, e)
+        assert_close(g, e)
 
 
 # --- bad input ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from backends import local_devices, per_device
-from common import check
+from common import assert_close, check
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -403,9 +403,9 @@ def test_global_dropout_is_layout_invariant_and_differentiable():
         x = fd.distribute_tensor(leaf, mesh, placements)
         y = fd.random.dropout(KEY, x, 0.4)
         assert y.layout == x.layout
-        assert torch.allclose(y.full_tensor(), expected)
+        assert_close(y.full_tensor(), expected)
         y.full_tensor().sum().backward()
-        assert torch.allclose(leaf.grad, (expected != 0).double() / 0.6)
+        assert_close(leaf.grad, (expected != 0).double() / 0.6)
 
 
 # --- bad input ---------------------------------------------------------------------------------

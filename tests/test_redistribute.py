@@ -23,7 +23,7 @@ from backends import (
     relayout,
     spec_of_shards,
 )
-from common import check, even_pairs
+from common import assert_close, check, even_pairs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -98,10 +98,8 @@ def check_redistribute(backend, mesh: Mesh, items) -> list:
             assert got["layout"] == (target.placements, target.shard_order), at
             assert got["dtype"] == value.dtype, at
             if value.is_floating_point():
-                torch.testing.assert_close(
-                    got["full"], value, msg=lambda m, at=f"{at}, process {p}": f"{at}: {m}"
-                )
-                torch.testing.assert_close(got["grad"], torch.ones_like(value) * 2 - value)  # the identity's
+                assert_close(got["full"], value, msg=lambda m, at=f"{at}, process {p}": f"{at}: {m}")
+                assert_close(got["grad"], torch.ones_like(value) * 2 - value)  # the identity's
             else:
                 assert torch.equal(got["full"], value), at
             assert [(op, axes) for op, axes, _ in got["events"]] == want_events, f"{at}: {got['events']}"
@@ -112,9 +110,7 @@ def check_redistribute(backend, mesh: Mesh, items) -> list:
         spec = spec_of_shards(target)
         for coordinate, got in blocks.items():
             want = block(value, mesh.shape, mesh.names, spec, coordinate)
-            torch.testing.assert_close(
-                got, want, msg=lambda m, at=f"{at}: device at {coordinate}": f"{at}: {m}"
-            )
+            assert_close(got, want, msg=lambda m, at=f"{at}: device at {coordinate}": f"{at}: {m}")
     return results
 
 
@@ -402,13 +398,11 @@ def test_same_global_value_and_the_target_blocks(pair):
     x = fd.distribute_tensor(t, case.mesh, case.layout)
     y = fd.redistribute(x, target)
     assert y.layout == target and y.shape == x.shape
-    torch.testing.assert_close(y.full_tensor(), t)
+    assert_close(y.full_tensor(), t)
     mesh = case.mesh
     blocks = reduce_partial(y.local_shards(), mesh.shape, target.placements)
     for coordinate, got in blocks.items():
-        torch.testing.assert_close(
-            got, block(t, mesh.shape, mesh.axis_names, spec_of_shards(target), coordinate)
-        )
+        assert_close(got, block(t, mesh.shape, mesh.axis_names, spec_of_shards(target), coordinate))
 
 
 @given(pairs())
@@ -417,7 +411,7 @@ def test_gradient_comes_back_in_the_source_layout(pair):
     t = torch.randn(case.global_shape, dtype=torch.float64, requires_grad=True)
     y = fd.redistribute(fd.distribute_tensor(t, case.mesh, case.layout), target)
     (g,) = torch.autograd.grad(y.full_tensor().square().sum(), t)
-    torch.testing.assert_close(g, 2 * t.detach())
+    assert_close(g, 2 * t.detach())
 
 
 @given(even_pairs())
@@ -430,14 +424,12 @@ def test_planned_steps_give_the_target_blocks_and_count_what_they_run(case):
     with fd.CommDebugMode() as comm:
         y = fd.redistribute(x, target)
     assert [(e.op, e.axes) for e in comm.events] == [(s.collective, s.names) for s in steps if s.collective]
-    torch.testing.assert_close(y.full_tensor(), t)
+    assert_close(y.full_tensor(), t)
     blocks = reduce_partial(y.local_shards(), mesh.shape, target.placements)
     for coordinate, got in blocks.items():
-        torch.testing.assert_close(
-            got, block(t, mesh.shape, mesh.axis_names, spec_of_shards(target), coordinate)
-        )
+        assert_close(got, block(t, mesh.shape, mesh.axis_names, spec_of_shards(target), coordinate))
     (g,) = torch.autograd.grad(y.full_tensor().square().sum(), t)
-    torch.testing.assert_close(g, 2 * t.detach())
+    assert_close(g, 2 * t.detach())
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 3), (2, 2, 2)])
@@ -464,13 +456,13 @@ def test_point_to_point_plans(mesh_shape, source, target, collective):
         assert ops == [collective]
     else:  # over 3 devices a cheaper plan than a reduce to the diagonal exists
         assert collective not in ops and ops
-    torch.testing.assert_close(y.full_tensor(), t)
+    assert_close(y.full_tensor(), t)
     for got, want in zip(
         y.local_shards(), fd.distribute_tensor(t, mesh, target + extra).local_shards(), strict=True
     ):
-        torch.testing.assert_close(got, want)
+        assert_close(got, want)
     (g,) = torch.autograd.grad(y.full_tensor().sum(), t)
-    torch.testing.assert_close(g, torch.ones_like(t))
+    assert_close(g, torch.ones_like(t))
 
 
 # --- the API -----------------------------------------------------------------------------------
@@ -493,7 +485,7 @@ def test_partial_source_gets_a_replicate_gradient():
         total = fd.redistribute(parts, fd.P()).full_tensor()
     assert comm.get_comm_counts() == {"all_reduce": 1}
     (g,) = torch.autograd.grad(total.sum(), w)
-    torch.testing.assert_close(g, torch.ones(2, 2))
+    assert_close(g, torch.ones(2, 2))
 
 
 def test_not_a_dtensor():
@@ -619,4 +611,4 @@ def test_derivatives_of_every_order_through_redistributes(backend, mesh):
     for result in backend.run(job_derivatives, mesh.shape, mesh.names, timeout=240):
         for case, got, want in zip(cases, result, expected):
             for order, (g, w) in enumerate(zip(got, want), 1):
-                torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=f"{case}, order {order}")
+                assert_close(g, w, msg=f"{case}, order {order}")  # float64: its tolerance

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import Backend
-from common import check
+from common import assert_close, check, in_float64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
@@ -92,9 +92,9 @@ def test_values_and_gradients_equal_full_attention(
     got = out.full_tensor()[..., order.argsort(), :]
     grads = torch.autograd.grad(got, (q, k, v), cotangent)
     expected, expected_grads = reference(q, k, v, cotangent, causal, scale)
-    torch.testing.assert_close(got.detach(), expected)
+    assert_close(got.detach(), expected)
     for name, g, e in zip("qkv", grads, expected_grads):
-        torch.testing.assert_close(g, e, msg=lambda m, name=name: f"grad of {name}: {m}")
+        assert_close(g, e, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -106,9 +106,9 @@ def test_keys_and_queries_of_different_lengths(causal):
     cotangent = torch.randn(1, 2, 4, 5, dtype=torch.float64)
     got = ring(mesh, fd.P(None, None, "cp"), "cp", causal, None)(q, k, v).full_tensor()
     expected, expected_grads = reference(q, k, v, cotangent, causal, None)
-    torch.testing.assert_close(got.detach(), expected)
+    assert_close(got.detach(), expected)
     for g, e in zip(torch.autograd.grad(got, (q, k, v), cotangent), expected_grads):
-        torch.testing.assert_close(g, e)
+        assert_close(g, e)
 
 
 def test_large_scores_stay_finite_and_exact():
@@ -121,10 +121,10 @@ def test_large_scores_stay_finite_and_exact():
     cotangent = torch.randn(2, 1, 8, 4, dtype=torch.float64)
     got = ring(mesh, fd.P(None, None, "cp"), "cp", True, None)(q, k, v).full_tensor()
     expected, expected_grads = reference(q, k, v, cotangent, True, None)
-    torch.testing.assert_close(got.detach(), expected)
+    assert_close(got.detach(), expected)
     for g, e in zip(torch.autograd.grad(got, (q, k, v), cotangent), expected_grads):
         assert torch.isfinite(g).all()
-        torch.testing.assert_close(g, e)
+        assert_close(g, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -133,9 +133,8 @@ def test_lower_precision_keeps_its_dtype(dtype):
     q, k, v = (t.detach() for t in qkv((1, 2, 16, 8), (1, 2, 16, 8), 8, seed=1, dtype=dtype))
     got = ring(mesh, fd.P(None, None, "cp"), "cp", True, None)(q, k, v).full_tensor()
     assert got.dtype == dtype
-    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+    expected = F.scaled_dot_product_attention(*in_float64((q, k, v)), is_causal=True)
+    assert_close(got, expected, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -196,15 +195,15 @@ def test_context_parallel_runs_attention_on_dtensors_round_the_ring(causal):
         out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=0.5)
     assert [e.op for e in comm.events] == ["ppermute"] * 6
     assert out.layout == qd.layout
-    torch.testing.assert_close(out.full_tensor().detach(), expected)
+    assert_close(out.full_tensor().detach(), expected)
     for g, e in zip(torch.autograd.grad(out.full_tensor(), (q, k, v), cotangent), expected_grads):
-        torch.testing.assert_close(g, e)
+        assert_close(g, e)
 
     # outside the context: the op's own rule, which gathers the sequence, with the same values
     with fd.CommDebugMode() as comm:
         plain = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=0.5)
     assert "ppermute" not in {e.op for e in comm.events} and comm.events
-    torch.testing.assert_close(plain.full_tensor().detach(), expected)
+    assert_close(plain.full_tensor().detach(), expected)
     assert "scaled_dot_product_attention" in str(fd.explain(F.scaled_dot_product_attention, qd, kd, vd))
 
 
@@ -218,9 +217,9 @@ def test_context_parallel_leaves_other_values_and_ops_alone():
         plain = F.scaled_dot_product_attention(q, k, v)  # torch tensors: torch's own op
     assert comm.events == []
     assert out.placements == (fd.Shard(0), fd.Replicate())
-    torch.testing.assert_close(out.full_tensor().detach(), outside)
-    torch.testing.assert_close(total.full_tensor().detach(), (q * 2).sum().detach())
-    torch.testing.assert_close(plain.detach(), outside)
+    assert_close(out.full_tensor().detach(), outside)
+    assert_close(total.full_tensor().detach(), (q * 2).sum().detach())
+    assert_close(plain.detach(), outside)
 
 
 def test_contexts_nest_and_close_on_error():
@@ -267,9 +266,9 @@ def test_function_form_redistributes_keys_and_values_to_the_queries_layout():
     assert out.layout == qd.layout
     cotangent = torch.randn(2, 2, 8, 3, dtype=torch.float64)
     expected, expected_grads = reference(q, k, v, cotangent, True, None)
-    torch.testing.assert_close(out.full_tensor().detach(), expected)
+    assert_close(out.full_tensor().detach(), expected)
     for g, e in zip(torch.autograd.grad(out.full_tensor(), (q, k, v), cotangent), expected_grads):
-        torch.testing.assert_close(g, e)
+        assert_close(g, e)
 
 
 # --- on gloo ranks ------------------------------------------------------------------------------
@@ -297,12 +296,12 @@ def test_gloo_ranks_give_the_simulated_result(backend, mesh, causal):
     (simulated,) = Backend("simulated").run(job_context_parallel, mesh.shape, mesh.names, *args)
     q, k, v = qkv(shape, shape, shape[-1], 11)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal).detach()
-    torch.testing.assert_close(simulated["out"], expected)
+    assert_close(simulated["out"], expected)
     for got in backend.run(job_context_parallel, mesh.shape, mesh.names, *args):
         assert got["layout"] == simulated["layout"]
-        torch.testing.assert_close(got["out"], simulated["out"])
+        assert_close(got["out"], simulated["out"])
         for g, e in zip(got["grads"], simulated["grads"]):
-            torch.testing.assert_close(g, e)
+            assert_close(g, e)
 
 
 def job_zigzag(mesh, shape, seed: int) -> dict:
@@ -322,13 +321,11 @@ def test_zigzag_on_gloo_ranks_gives_the_simulated_result(backend, mesh):
     shape = (1, 2, 4 * mesh.size, 3)
     (simulated,) = Backend("simulated").run(job_zigzag, mesh.shape, mesh.names, shape, 13)
     q, k, v = qkv(shape, shape, shape[-1], 13)
-    torch.testing.assert_close(
-        simulated["out"], F.scaled_dot_product_attention(q, k, v, is_causal=True).detach()
-    )
+    assert_close(simulated["out"], F.scaled_dot_product_attention(q, k, v, is_causal=True).detach())
     for got in backend.run(job_zigzag, mesh.shape, mesh.names, shape, 13):
-        torch.testing.assert_close(got["out"], simulated["out"])
+        assert_close(got["out"], simulated["out"])
         for g, e in zip(got["grads"], simulated["grads"]):
-            torch.testing.assert_close(g, e)
+            assert_close(g, e)
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -422,7 +419,7 @@ def test_under_torch_func_grad():
         argnums=(0, 1, 2),
     )(q, k, v)
     for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e)
+        assert_close(g, e)
 
 
 def test_under_torch_compile():
@@ -431,7 +428,7 @@ def test_under_torch_compile():
     attend = ring(mesh, fd.P(None, None, "cp"), "cp", True, None)
     compiled = torch.compile(lambda q, k, v: attend(q, k, v).full_tensor(), fullgraph=True, backend="eager")
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(compiled(q, k, v), expected)
+    assert_close(compiled(q, k, v), expected)
 
 
 @pytest.mark.gpu
@@ -443,6 +440,6 @@ def test_on_a_simulated_cuda_mesh():
     assert got.device.type == "cuda"
     cotangent = torch.randn_like(got)
     expected, expected_grads = reference(q, k, v, cotangent, True, None)
-    torch.testing.assert_close(got.detach(), expected)
+    assert_close(got.detach(), expected)
     for g, e in zip(torch.autograd.grad(got, (q, k, v), cotangent), expected_grads):
-        torch.testing.assert_close(g, e)
+        assert_close(g, e)

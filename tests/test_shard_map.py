@@ -13,7 +13,7 @@ import pytest
 import torch
 from backends import all_specs, block, coordinates, events, per_device
 from catalogue import cases, global_inputs
-from common import check
+from common import assert_close, check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,7 +92,7 @@ def test_drawn_specs_in_any_order(backend, mesh, data):
     x = torch.randn(2 * mesh.size, mesh.size, mesh.size, dtype=torch.float64)
     shards = per_device(backend.run(job_drawn_specs, mesh.shape, mesh.names, x, in_spec, out_spec), "shards")
     for d, coordinate in enumerate(coordinates(mesh.shape)):
-        torch.testing.assert_close(shards[d], 2 * block(x, mesh.shape, mesh.names, in_spec, coordinate))
+        assert_close(shards[d], 2 * block(x, mesh.shape, mesh.names, in_spec, coordinate))
 
 
 # --- no_grad -----------------------------------------------------------------------------------
@@ -122,8 +122,8 @@ def test_no_grad_runs_the_same_collectives_for_the_same_values(backend, mesh, na
     want = case.reference(*global_inputs(case, seed=3))
     for p, got in enumerate(backend.run(job_no_grad, mesh.shape, mesh.names, axes, name)):
         assert got[True]["requires_grad"] and not got[False]["requires_grad"], p
-        torch.testing.assert_close(got[False]["full"], want)
-        torch.testing.assert_close(got[True]["full"], want)
+        assert_close(got[False]["full"], want)
+        assert_close(got[True]["full"], want)
         assert got[False]["events"] == got[True]["events"] != [], p
 
 
@@ -168,13 +168,11 @@ def test_chained_shard_maps_on_dtensors(backend, mesh):
     hs = per_device(results, "h")
     rows = fd.P(tuple(reversed(mesh.names)))
     for d, coordinate in enumerate(coordinates(mesh.shape)):
-        torch.testing.assert_close(hs[d], block(h.detach(), mesh.shape, mesh.names, rows, coordinate))
+        assert_close(hs[d], block(h.detach(), mesh.shape, mesh.names, rows, coordinate))
     for p, got in enumerate(results):
-        torch.testing.assert_close(got["full"], want.detach())
+        assert_close(got["full"], want.detach())
         for g, w_, what in zip(got["grads"], want_grads, "xw", strict=True):
-            torch.testing.assert_close(
-                g, w_, msg=lambda m, what=what, p=p: f"process {p}: gradient of {what}: {m}"
-            )
+            assert_close(g, w_, msg=lambda m, what=what, p=p: f"process {p}: gradient of {what}: {m}")
         # the forward runs the psum alone: the DTensor enters and leaves in its layout
         assert [op for op, _, _ in got["comm"]] == ["all_reduce"], got["comm"]
 
@@ -221,8 +219,8 @@ def test_captured_values_get_their_global_gradients(backend, mesh, check_rep):
     for p, got in enumerate(backend.run(job_captured, mesh.shape, mesh.names, check_rep)):
         assert got["closure"].item() == 28.0, p  # d/ds sum(v * s) = sum(range(8))
         for a, b in zip(got["module"], got["module_reference"], strict=True):
-            torch.testing.assert_close(a, b)
-        torch.testing.assert_close(got["replicated"], torch.full((2,), 2.0))
+            assert_close(a, b)
+        assert_close(got["replicated"], torch.full((2,), 2.0))
 
 
 def job_without_inputs(mesh) -> dict:
@@ -251,7 +249,7 @@ def test_transforms_inside_the_function_need_check_rep_off():
     x = torch.ones(2, 4, requires_grad=True)
     g = fd.shard_map(inner, mesh=mesh, in_specs=fd.P(None, "x"), out_specs=fd.P(None, "x"), check_rep=False)
     (grad,) = torch.autograd.grad(g(x).full_tensor().sum(), x)
-    torch.testing.assert_close(grad, torch.full((2, 4), 2.0))
+    assert_close(grad, torch.full((2, 4), 2.0))
     h = fd.shard_map(
         lambda v: torch.func.grad(lambda t: fd.psum(t.sum(), "x"))(v),
         mesh=mesh,
@@ -261,7 +259,7 @@ def test_transforms_inside_the_function_need_check_rep_off():
     )
     # unchecked, psum transposes to psum (as JAX with check_vma=False): each device's
     # gradient of the replicated total counts every device's copy
-    torch.testing.assert_close(h(torch.randn(8)).full_tensor(), torch.full((8,), 4.0))
+    assert_close(h(torch.randn(8)).full_tensor(), torch.full((8,), 4.0))
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -417,7 +415,7 @@ def test_attention_inside_shard_map_is_batched_over_the_devices():
             warnings.simplefilter("error")  # no "performance drop" fallback
             out = mapped(q, k, v).full_tensor()
         expected = attention(q, k, v)
-        torch.testing.assert_close(out, expected)
+        assert_close(out, expected)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v))):
-            torch.testing.assert_close(got, want)
+            assert_close(got, want)

@@ -193,7 +193,7 @@ def test_rowwise_output_layouts_and_sequence_parallel():
         y = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, fd.P(None, "tp")))
     assert y.placements == (S(1),)
     assert comm.get_comm_counts() == {"all_gather": 1, "reduce_scatter": 1}
-    torch.testing.assert_close(y.full_tensor(), model(x))
+    assert_close(y.full_tensor(), model(x))
 
 
 def test_the_module_is_not_changed_and_apply_is_pure():
@@ -230,7 +230,7 @@ def test_buffers_are_replicated_constants():
     assert sharded.apply.buffers["scale"].placements == (R,)
     x = torch.randn(3, 4)
     y = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, fd.P()))
-    torch.testing.assert_close(y.full_tensor(), model(x))
+    assert_close(y.full_tensor(), model(x))
 
 
 def test_distribute_module_partition_input_and_output_fns():
@@ -252,7 +252,7 @@ def test_distribute_module_partition_input_and_output_fns():
     x = torch.randn(3, 4)
     out = sharded.apply(sharded.params, x)
     assert type(out) is torch.Tensor
-    torch.testing.assert_close(out, model(x))
+    assert_close(out, model(x))
 
 
 # --- the optimizer ----------------------------------------------------------------------------
@@ -287,12 +287,12 @@ def test_optimizer_steps_equal_torch(make, options, spec):
         old = params["w"].full_tensor()
         params = opt.step(params, {"w": g})
         assert not torch.equal(old, params["w"].full_tensor())
-    torch.testing.assert_close(params["w"].full_tensor(), w.detach())
+    assert_close(params["w"].full_tensor(), w.detach())
     assert params["w"].layout.placements == fd.Layout.from_spec(mesh, spec).placements
     state = opt.state_dict()["state"]["['w']"]
     for key, v in state.items():
         if isinstance(v, fd.DTensor):
-            torch.testing.assert_close(v.full_tensor(), reference.state[w][key])
+            assert_close(v.full_tensor(), reference.state[w][key])
 
 
 class _Holder(nn.Module):
@@ -336,7 +336,7 @@ def test_optimizer_state_loads_onto_another_layout():
     b = {"w": fd.redistribute(a["w"], fd.P(("y", "x")))}
     a = opt_a.step(a, {"w": fd.distribute_tensor(g0, mesh, fd.P("x", "y"))})
     b = opt_b.step(b, {"w": fd.distribute_tensor(g0, mesh, fd.P(("y", "x")))})
-    torch.testing.assert_close(a["w"].full_tensor(), b["w"].full_tensor())
+    assert_close(a["w"].full_tensor(), b["w"].full_tensor())
     assert b["w"].spec == fd.P(("y", "x"))
 
 
@@ -353,9 +353,9 @@ def test_clip_grad_norm_equals_torch(norm_type):
     expected = torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type)
     with fd.CommDebugMode() as comm:
         clipped, total = fd.clip_grad_norm(grads, 1.0, norm_type)
-    torch.testing.assert_close(total.full_tensor(), expected)
+    assert_close(total.full_tensor(), expected)
     for i, t in enumerate(reference):
-        torch.testing.assert_close(clipped[f"g{i}"].full_tensor(), t.grad)
+        assert_close(clipped[f"g{i}"].full_tensor(), t.grad)
     assert comm.get_total_counts() <= 2  # one reduction per distinct layout, not per gradient
 
 
