@@ -20,8 +20,9 @@ Under torchrun (gloo, one thread per rank): ``fd`` (``fd.init_device_mesh``), to
 (``torch.distributed.tensor.distribute_tensor`` with the same placements), plain torch on the
 8 x 8 tensor and on this rank's local blocks; rank 0 prints.
 
-Before timing, every variant's result is checked against plain torch (``full_tensor()``,
-``torch.allclose``), and fd's ops are checked to run no collective (``fd.CommDebugMode``).
+Before timing, every variant's result is checked against plain torch (``full_tensor()``, the
+tests' comparison: a float64 reference, within a few times plain torch's own float32 error;
+``_checks.py``), and fd's ops are checked to run no collective (``fd.CommDebugMode``).
 A timed sample is ``n`` back-to-back calls of one op (n = 200, 10 for DTensor on LocalTensor);
 samples of all variants are interleaved in a shuffled order. Per-op times are medians of CPU
 time (there is no communication, so it is the work of this process), wall-clock beside them.
@@ -40,6 +41,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from _checks import checked, in_float64
 from _timing import interleaved, median_ms, print_table, verdict
 
 import functional_dtensor as fd
@@ -110,6 +112,7 @@ def repeat(op, n, mode=None):
 
 
 def check(name, ops, want, full=lambda x: x.full_tensor(), mode=None):
+    """Each op's result against ``want``: op -> (the float64 reference, plain torch's float32)."""
     for op, call in ops.items():
         if mode is None:
             got = full(call())
@@ -118,8 +121,7 @@ def check(name, ops, want, full=lambda x: x.full_tensor(), mode=None):
                 got = full(call())
         if isinstance(got, torch.Tensor) and type(got) is not torch.Tensor:  # a LocalTensor of equal shards
             got = got._local_tensors[0]
-        if not torch.allclose(got, want[op], rtol=1e-4, atol=1e-4):
-            raise SystemExit(f"{name}: {op} differs from plain torch by {(got - want[op]).abs().max():.3g}")
+        checked(f"{name}: {op} against plain torch", got, *want[op])
 
 
 def check_no_comm(ops):
@@ -166,7 +168,8 @@ def simulated(args, reps):
     world = 8
     t, u = values()
     plain = plain_ops(t, u)
-    want = {op: call() for op, call in plain.items()}
+    plain64 = plain_ops(*in_float64((t, u)))
+    want = {op: (plain64[op](), call()) for op, call in plain.items()}
     mesh = fd.simulated_mesh(world, "x")
     ours = fd_ops(mesh, t, u)
     check("fd", ours, want)
@@ -215,7 +218,8 @@ def gloo(args, reps):
     torch_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
     t, u = values()
     plain = plain_ops(t, u)
-    want = {op: call() for op, call in plain.items()}
+    plain64 = plain_ops(*in_float64((t, u)))
+    want = {op: (plain64[op](), call()) for op, call in plain.items()}
     rows = slice(rank * N // world, (rank + 1) * N // world)
     t_rows, u_rows, t_cols = t[rows].contiguous(), u[rows].contiguous(), t[:, rows].contiguous()
     local = {

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _checks import checked
 from _timing import print_table, verdict
 
 import functional_dtensor as fd
@@ -212,7 +213,7 @@ def redistribute_main(args) -> None:
         for source, target in cases:
             src = fd.distribute_tensor(value, mesh, source)
             got = fd.redistribute(src, target)
-            torch.testing.assert_close(got.full_tensor(), value, rtol=1e-5, atol=1e-5)
+            checked(f"redistribute {source} -> {target}", got.full_tensor(), value, terms=mesh.size)
             name = f"{mesh.shape}: {case_name(src.layout, got.layout)}"
             steps[name] = lambda src=src, target=target: fd.redistribute(src, target)
             received[name] = float(fd.explain_redistribute(src, target, show=False).total_bytes) / 2**20

@@ -28,6 +28,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from _checks import checked, in_float64
 from _timing import interleaved, median_ms, print_table, verdict
 from torch import nn
 
@@ -149,11 +150,8 @@ def local_tensor_step(world, x, w1, w2, dy):
 
 
 def check(name, got, want):
-    for label, a, b in zip(("y", "dx", "dw1", "dw2"), got, want, strict=True):
-        if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
-            raise SystemExit(
-                f"{name}: {label} differs from the unsharded reference by {(a - b).abs().max():.3g}"
-            )
+    """``got`` (y, dx, dw1, dw2) against ``want``: (the unsharded step in float64, in float32)."""
+    checked(f"{name} against the unsharded step", dict(zip(("y", "dx", "dw1", "dw2"), got)), *want)
 
 
 def main():
@@ -174,7 +172,13 @@ def main():
     x, w1, w2, dy = make_inputs()
     grads = lambda step: (step().detach(), x.grad, w1.grad, w2.grad)  # noqa: E731
     unsharded = unsharded_step(x, w1, w2, dy)
-    reference = grads(unsharded)
+    x64, w1_64, w2_64, dy64 = in_float64((x, w1, w2, dy))
+    y64 = unsharded_step(x64, w1_64, w2_64, dy64)().detach()
+    labels = ("y", "dx", "dw1", "dw2")
+    reference = (
+        dict(zip(labels, (y64, x64.grad, w1_64.grad, w2_64.grad))),
+        dict(zip(labels, grads(unsharded))),
+    )
     steps = {"unsharded": unsharded}
     devices = {}  # fd variant -> its number of devices
     for n in (8, 64):
