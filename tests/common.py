@@ -10,12 +10,21 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
 from functional_dtensor.testing import strategies as fds
 
-__all__ = ["ERROR_FACTOR", "assert_close", "check", "even_pairs", "in_float64", "op_catalogue"]
+__all__ = [
+    "ERROR_FACTOR",
+    "assert_close",
+    "check",
+    "even_pairs",
+    "in_float64",
+    "op_catalogue",
+    "with_long_run",
+]
 
 #: How many times the error of plain torch's own low-precision computation a result may have.
 #: Two orders of the same roundings (a sum over shards, then across devices, against one
@@ -114,6 +123,21 @@ def in_float64(tree):
         return leaf
 
     return optree.tree_map(wide, tree, is_leaf=lambda x: isinstance(x, torch.nn.Module))
+
+
+def with_long_run(examples: int, *strategies, default_examples: int | None = None, **named_strategies):
+    """``@given(*strategies, **named_strategies)`` for the default run (``default_examples``, or
+    the profile's), and a twin of the same test drawn ``examples`` times, ``<name>_long``, in the
+    slow tier (``python -m pytest -m slow``), put beside it in its module. Marks applied below
+    this decorator (parametrize, filterwarnings) reach both."""
+
+    def decorate(body):
+        twin = settings(max_examples=examples)(given(*strategies, **named_strategies)(body))
+        body.__globals__[f"{body.__name__}_long"] = pytest.mark.slow(twin)
+        test = given(*strategies, **named_strategies)(body)
+        return test if default_examples is None else settings(max_examples=default_examples)(test)
+
+    return decorate
 
 
 def check(error, builtin, call, *fragments):

@@ -187,7 +187,7 @@ def job_shapes(mesh) -> dict:
     return found
 
 
-@pytest.mark.meshes((2,))
+@pytest.mark.meshes((2,), slow=("gloo-2",))  # the counting is the library's, the same on both
 def test_compiled_with_changing_shapes_counts_the_bytes_of_each_call(backend, mesh):
     for got in backend.run(job_shapes, mesh.shape, mesh.names, timeout=300):
         for rows, (compiled, eager) in zip((4, 8, 12), zip(got["compiled"], got["eager"], strict=True)):
@@ -267,7 +267,7 @@ def job_counts_by_module(mesh) -> dict:
 
 # torch warns that global module hooks (CommDebugMode's) also see the compiled wrapper; they skip it
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-@pytest.mark.meshes((2,))
+@pytest.mark.meshes((2,), slow=("gloo-2",))
 def test_compiled_collectives_are_counted_under_the_module_around_the_graph(backend, mesh):
     """Modules traced into the graph run no hooks: a compiled model's collectives are counted
     under the compiled module itself, never under the compiler's wrappers."""

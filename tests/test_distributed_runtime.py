@@ -227,7 +227,7 @@ def job_compile_redistribute(shape: tuple[int, ...], source, target) -> dict:
     "source, target",
     [
         ((S(0), S(1)), (S(1), S(0))),
-        ((Pa("sum"), S(0)), (S(0), R())),
+        pytest.param((Pa("sum"), S(0)), (S(0), R()), marks=pytest.mark.slow),
         pytest.param((S(0), R()), (R(), R()), marks=pytest.mark.slow),
         pytest.param(fd.P(("y", "x")), fd.P(("x", "y")), marks=pytest.mark.slow),
     ],

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from backends import per_device
 from catalogue import cases, mapped
-from common import assert_close
+from common import assert_close, with_long_run
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -41,15 +41,9 @@ LONG_EXAMPLES = 1500  # each fuzz test's examples in the slow tier
 
 
 def fuzz(**strategies):
-    """``@given(**strategies)`` for the default run's slice, and the same body, drawn
-    :data:`LONG_EXAMPLES` times, as the test ``<name>_long`` in the slow tier."""
-
-    def decorate(body):
-        long = settings(max_examples=LONG_EXAMPLES)(given(**strategies)(body))
-        globals()[f"{body.__name__}_long"] = pytest.mark.slow(long)
-        return given(**strategies)(body)
-
-    return decorate
+    """The fuzz tests' ``@given``: a short slice in the default run, :data:`LONG_EXAMPLES` in the
+    slow tier (the ``_long`` twin)."""
+    return with_long_run(LONG_EXAMPLES, **strategies)
 
 
 LOW = (torch.float16, torch.bfloat16)

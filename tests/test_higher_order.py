@@ -25,8 +25,7 @@ import pytest
 import torch
 from backends import Mesh
 from catalogue import Case, cases, global_inputs, mapped, mesh_and_axes, pick
-from common import assert_close
-from hypothesis import given, settings
+from common import assert_close, with_long_run
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
@@ -34,7 +33,7 @@ from functional_dtensor.testing import strategies as fds
 
 MODES = ("hvp", "jvp", "linearize", "jvp of grad")
 CASE_NAMES = [c.name for c in cases(fd.simulated_mesh(2, "x"), ("x",))]
-DRAWN = settings(max_examples=40)
+DRAWN, DRAWN_LONG = 20, 100  # examples per mode in the default run, and in the slow tier's twin
 
 
 def _global(out):
@@ -84,10 +83,16 @@ def compare(got, want, what: str) -> None:
 # --- drawn on the simulated backend ----------------------------------------------------------
 
 
+@with_long_run(
+    DRAWN_LONG,
+    mesh_and_axes(max_devices=8),
+    st.sampled_from(CASE_NAMES),
+    st.booleans(),
+    st.integers(0, 99),
+    default_examples=DRAWN,
+)
 @pytest.mark.filterwarnings("ignore:Attempted to insert a get_attr Node")  # torch.func.linearize's
 @pytest.mark.parametrize("mode", MODES)
-@DRAWN
-@given(mesh_and_axes(max_devices=8), st.sampled_from(CASE_NAMES), st.booleans(), st.integers(0, 99))
 def test_drawn_programs_match_single_device(mode, mesh, name, check_rep, seed):
     sim_mesh = mesh.simulated()
     case = check_rep_as(pick(sim_mesh, mesh.axes, name), check_rep)
@@ -111,10 +116,9 @@ def through_layouts(source: fd.Layout, target: fd.Layout):
     return lambda x: fd.redistribute(fd.distribute_tensor(x, source.mesh, source), target)
 
 
+@with_long_run(DRAWN_LONG, layout_pairs(), st.integers(0, 99), default_examples=DRAWN)
 @pytest.mark.filterwarnings("ignore:Attempted to insert a get_attr Node")
 @pytest.mark.parametrize("mode", MODES)
-@DRAWN
-@given(layout_pairs(), st.integers(0, 99))
 def test_drawn_redistributions_match_single_device(mode, pair, seed):
     shape, source, target = pair
     generator = torch.Generator().manual_seed(seed)
