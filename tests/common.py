@@ -4,6 +4,7 @@ layout pairs that split evenly, and a catalogue of global op calls."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import optree
@@ -113,7 +114,6 @@ def _assert_leaf_close(got, want, low, terms: float, dtypes, say: Callable[[str]
 def in_float64(tree):
     """``tree`` with every float (complex) tensor and module converted to float64 (complex128):
     the arguments of a float64 reference. Modules are copied, tensors keep ``requires_grad``."""
-    import copy
 
     def wide(leaf):
         if isinstance(leaf, torch.nn.Module):
