@@ -94,7 +94,7 @@ def check(results: list[dict], mesh, axes, name: str, check_rep: bool) -> None:
 SLOW = pytest.mark.slow
 CASES = [  # the first two in the default run, each compile of the others in the slow tier
     ("mlp", True, True),
-    ("all_gather then psum_scatter", True, True),
+    pytest.param("all_gather then psum_scatter", True, True, marks=SLOW),
     pytest.param("mlp", False, True, marks=SLOW),
     pytest.param("mlp", True, False, marks=SLOW),
     pytest.param("pmax", False, True, marks=SLOW),
@@ -109,6 +109,7 @@ def test_compiled_equals_eager_and_counts_its_collectives(backend, mesh, name, c
     check(results, mesh, axes, name, check_rep)
 
 
+@pytest.mark.slow
 @pytest.mark.meshes((2, 2))
 def test_compiled_over_axes_out_of_mesh_order(backend, mesh):
     """Two mesh axes, named against the mesh's order."""

@@ -185,10 +185,10 @@ def check_compiled(ranks: list[dict]) -> None:
 @pytest.mark.parametrize(
     "name",
     [
-        "mlp",
-        *(pytest.param(n, marks=pytest.mark.slow) for n in ("all_gather then psum_scatter", "ppermute ring")),
+        pytest.param(n, marks=pytest.mark.slow)
+        for n in ("mlp", "all_gather then psum_scatter", "ppermute ring")
     ],
-)
+)  # the default run compiles on gloo in tests/test_compile.py
 def test_compile_aot_eager_on_gloo(name, gloo):
     check_compiled(gloo.run(2, job_compile, "aot_eager", name, timeout=300))
 
@@ -226,7 +226,7 @@ def job_compile_redistribute(shape: tuple[int, ...], source, target) -> dict:
 @pytest.mark.parametrize(
     "source, target",
     [
-        ((S(0), S(1)), (S(1), S(0))),
+        pytest.param((S(0), S(1)), (S(1), S(0)), marks=pytest.mark.slow),  # tests/test_compile.py by default
         pytest.param((Pa("sum"), S(0)), (S(0), R()), marks=pytest.mark.slow),
         pytest.param((S(0), R()), (R(), R()), marks=pytest.mark.slow),
         pytest.param(fd.P(("y", "x")), fd.P(("x", "y")), marks=pytest.mark.slow),

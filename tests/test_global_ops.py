@@ -546,7 +546,7 @@ def job_compiled(mesh):
     return {"out": out.detach(), "eager": eager.detach(), "grads": grads, "eager_grads": eager_grads}
 
 
-@pytest.mark.meshes((2,), (2, 2), slow=("gloo-4",))
+@pytest.mark.meshes((2,), (2, 2), slow=("gloo-4", "simulated/2x2"))
 def test_a_program_of_global_ops_compiles_with_fullgraph(backend, mesh):
     for result in backend.run(job_compiled, mesh.shape, mesh.names, timeout=240):
         close(result["out"], result["eager"])

@@ -50,6 +50,7 @@ def executed(request):
     return dict(zip(selected, nbx.execute_all(nbx.notebook_paths(selected)), strict=True))
 
 
+@pytest.mark.slow  # six kernels: the slow tier (CI runs it); the checks of the check run by default
 @pytest.mark.parametrize("name", NAMES)
 def test_committed_outputs_are_current(name, executed):
     fresh = executed[name]
