@@ -214,7 +214,7 @@ def redistribute_main(args) -> None:
             src = fd.distribute_tensor(value, mesh, source)
             got = fd.redistribute(src, target)
             checked(f"redistribute {source} -> {target}", got.full_tensor(), value, terms=mesh.size)
-            name = f"{mesh.shape}: {case_name(src.layout, got.layout)}"
+            name = f"{mesh.shape}: {case_name(src.sharding, got.sharding)}"
             steps[name] = lambda src=src, target=target: fd.redistribute(src, target)
             received[name] = float(fd.explain_redistribute(src, target, show=False).total_bytes) / 2**20
     reps = args.reps or (5 if args.quick else 30)

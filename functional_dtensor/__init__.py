@@ -37,10 +37,12 @@ from ._errors import (
     MeshError,
     ShapeError,
     SpecError,
+    UnsupportedAttributeError,
 )
 from ._explain import OpReport, PlanReport, explain_redistribute
 from ._explain import explain_op as explain
 from ._factories import empty, full, ones, zeros
+from ._fallback import strict_ops
 from ._global_ops import register_sharding
 from ._interop import from_torch, to_torch
 from ._layout import Layout
@@ -65,7 +67,7 @@ from ._redistribute import redistribute  # installs DTensor.redistribute
 from ._ring_attention import context_parallel, context_parallel_attention, ring_attention
 from ._shard_map import shard_map
 from ._spec import P
-from ._torch_ops import install as _install_torch_ops  # noqa: F401  (torch ops on fd.DTensor)
+from ._surface import install as _install_surface  # noqa: F401  (torch ops, operators, methods)
 from ._visualize import ShardingPicture, sharding_picture, visualize_sharding  # and the HTML reprs
 from .random import rand, randn
 
@@ -114,6 +116,7 @@ __all__ = [
     "Shard",
     "ShapeError",
     "SpecError",
+    "UnsupportedAttributeError",
     "distribute_tensor",
     "empty",
     "checkpoint",
@@ -146,4 +149,5 @@ __all__ = [
     "Optimizer",
     "clip_grad_norm",
     "set_logs",
+    "strict_ops",
 ]

@@ -13,10 +13,9 @@ this rank's shard):
   per-device value, a torch op of the per-device function.
 
 Communication is recorded here and nowhere else (:meth:`Backend.count`): every kernel that
-moves data between devices, and the regathering of a value that ``redistribute`` falls back to.
-Reading a global value (``full_tensor``, and the gradient of a global tensor given to
-``distribute_tensor`` or ``shard_map``) is not counted: it moves no data on the simulated
-backend.
+moves data between devices, the regathering of a value that ``redistribute`` falls back to, and
+``full_tensor()`` (as the distributed backend moves it, on either backend, as torch counts it).
+The gradient of a global tensor given to ``distribute_tensor`` or ``shard_map`` is not counted.
 """
 
 from __future__ import annotations
@@ -166,19 +165,24 @@ class Backend:
         """The storage in ``target`` of a value stored in ``source``, through the global value:
         the padded blocks reduced over each Partial axis and gathered over the Shard axes (as
         the distributed backend runs it; counted so on either backend)."""
-        if comm_log.wanted():
-            mesh = source.mesh
-            nbytes = math.prod(shard_table(source, shape).padded_shape) * storage.element_size()
-            moving = [
-                (n, p) for n, p, size in zip(mesh.axis_names, source.placements, mesh.shape) if size > 1
-            ]
-            for name, placement in moving:  # an axis of one device moves nothing
-                if isinstance(placement, Partial):
-                    self.count_bytes("all_reduce", (name,), nbytes, mesh.axis_size((name,)))
-            sharding = tuple([n for n, p in moving if isinstance(p, Shard)])
-            if sharding:
-                self.count_bytes("all_gather", sharding, nbytes, mesh.axis_size(sharding))
+        self.count_gather(source, shape, storage.element_size())
         return self._storage.distribute(self._storage.gather(storage, source, shape), target)
+
+    def count_gather(self, source: Layout, shape: tuple[int, ...], itemsize: int) -> None:
+        """Record reading the global value of a value in ``source`` as the distributed backend
+        moves it (the padded blocks reduced over each Partial axis, gathered over the Shard
+        axes), on either backend: ``full_tensor()`` counts as torch's does."""
+        if not comm_log.wanted():
+            return
+        mesh = source.mesh
+        nbytes = math.prod(shard_table(source, shape).padded_shape) * itemsize
+        moving = [(n, p) for n, p, size in zip(mesh.axis_names, source.placements, mesh.shape) if size > 1]
+        for name, placement in moving:  # an axis of one device moves nothing
+            if isinstance(placement, Partial):
+                self.count_bytes("all_reduce", (name,), nbytes, mesh.axis_size((name,)))
+        sharding = tuple([n for n, p in moving if isinstance(p, Shard)])
+        if sharding:
+            self.count_bytes("all_gather", sharding, nbytes, mesh.axis_size(sharding))
 
     def padded(self, storage, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
         """Every local block at the layout's padded block shape (zeros appended)."""
@@ -243,6 +247,27 @@ class Backend:
         return self._storage.materialize(
             layout, shape, lambda block_shape, shard: torch.empty(block_shape, dtype=dtype, device="meta")
         )
+
+    def from_source(self, tensor: torch.Tensor, mesh: DeviceMesh, src: int) -> torch.Tensor:
+        """The global tensor as the device at index ``src`` of every mesh axis passed it (the
+        distributed backend broadcasts it, counted; in one process every device passed the
+        same tensor)."""
+        if self.stacked or (not torch.compiler.is_compiling() and is_transformed(tensor)):
+            return tensor  # one process's tensor; or a transform's, which no collective takes
+        for name, size in zip(mesh.axis_names, mesh.shape):
+            if size > 1:
+                self.count_bytes("broadcast", (name,), tensor.numel() * tensor.element_size(), size)
+        return self._storage.from_source(tensor, mesh, src)
+
+    def replica(self, storage: torch.Tensor) -> torch.Tensor:
+        """This process's one copy of a replicated value (the devices' copies are equal; the
+        gradient of each is the one computed on it)."""
+        return self._storage.replica(storage)
+
+    def replicated(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The storage, in the replicated ``layout``, of the value ``tensor`` computed once by
+        this process for its devices (the inverse of :meth:`replica`)."""
+        return self._storage.replicated(tensor, layout)
 
     def block_shape(self, storage: torch.Tensor) -> tuple[int, ...]:
         """The shape of one device's (padded) block in ``storage``."""

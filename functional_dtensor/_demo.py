@@ -97,7 +97,7 @@ def global_matmul(console: Console, mesh: fd.DeviceMesh) -> bool:
     bd = fd.distribute_tensor(b, mesh, fd.P("tp"))  # b's rows over tp
     console.print(escape(str(fd.explain(torch.matmul, ad, bd))))
     out = ad @ bd
-    console.print(f"a @ b is {out.layout} (a sum still to take over tp); its value equals one device's:")
+    console.print(f"a @ b is {out.sharding} (a sum still to take over tp); its value equals one device's:")
     same = torch.allclose(out.full_tensor(), a @ b)
     console.print(f"  {'yes' if same else 'NO'}")
     return same

@@ -16,7 +16,7 @@ methods. It saves and loads with ``pickle``, ``copy.deepcopy`` and ``torch.save`
 >>> mesh = fd.simulated_mesh(4, "x")
 >>> x = fd.distribute_tensor(torch.arange(10.0), mesh, fd.P("x"))
 >>> x
-DTensor(shape=(10,), dtype=torch.float32, layout=S(0) on DeviceMesh(shape=(4,), axis_names=('x',)))
+DTensor(shape=(10,), dtype=torch.float32, sharding=S(0) on DeviceMesh(shape=(4,), axis_names=('x',)))
 >>> [shard.tolist() for shard in x.local_shards()]
 [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0], [9.0]]
 >>> torch.equal(x.full_tensor(), torch.arange(10.0))
@@ -195,8 +195,15 @@ class DTensor:
         return None if grad is None else DTensor(grad, without_partial(self._layout), self._shape)
 
     @property
-    def layout(self) -> Layout:
+    def sharding(self) -> Layout:
+        """How the value is laid out on its mesh: an ``fd.Layout`` (JAX's ``x.sharding``)."""
         return self._layout
+
+    @property
+    def layout(self) -> torch.layout:
+        """torch's meaning: the memory layout of the global value, ``torch.strided`` (fd's
+        layout record is :attr:`sharding`)."""
+        return torch.strided
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -254,12 +261,15 @@ class DTensor:
         every device.
         """
         shape = tuple(self._shape)
+        if not self._storage.is_meta:  # a meta value's global value moves nothing
+            backend_of(self._layout.mesh).count_gather(self._layout, shape, self._storage.element_size())
         if grad_placements is None:
-            return gather_storage(self._storage, self._layout, shape)
+            return _unaliased(gather_storage(self._storage, self._layout, shape), self._storage)
         mesh = self.device_mesh
         replicated = Layout(mesh, (Replicate(),) * mesh.ndim)
         grad = self._grad_layout(grad_placements, "fd.DTensor.full_tensor", expected=replicated)
-        return autograd.apply(_FullTensorWithGrad, self._storage, self._layout, grad, shape)
+        out = autograd.apply(_FullTensorWithGrad, self._storage, self._layout, grad, shape)
+        return _unaliased(out, self._storage)
 
     def _grad_layout(
         self,
@@ -301,11 +311,22 @@ class DTensor:
     def __repr__(self) -> str:
         return (
             f"DTensor(shape={tuple(self._shape)}, dtype={self.dtype}, "
-            f"layout={self._layout} on {self.device_mesh!r})"
+            f"sharding={self._layout} on {self.device_mesh!r})"
         )
 
     def __len__(self) -> int:
         return self._shape[0]
+
+
+def _unaliased(out: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
+    """``out``, copied where it shares memory with ``storage`` (a replicated value's global
+    value is its stored block; an even split's, a view of its blocks): the caller may change
+    the tensor it is given, never the value."""
+    if torch.compiler.is_compiling() or is_transformed(out) or out.is_meta:
+        return out  # functional there: nothing changes a tensor in place
+    if out.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr():
+        return out.clone()
+    return out
 
 
 def with_grad_layout(
@@ -581,7 +602,12 @@ def layout_for(
 
 
 def distribute_tensor(
-    tensor: torch.Tensor, device_mesh: DeviceMesh, placements: PlacementsOrSpec, *, copy: bool = True
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: PlacementsOrSpec,
+    *,
+    copy: bool = True,
+    src_data_rank: int | None = 0,
 ) -> DTensor:
     """Lay out the global ``tensor`` on ``device_mesh`` (differentiable in ``tensor``).
 
@@ -593,6 +619,13 @@ def distribute_tensor(
     value, held once on the simulated backend), that takes a copy; ``copy=False`` skips it
     when you hand over a tensor you will not modify again (the value may then share its
     memory).
+
+    On the distributed backend the value is the tensor that the device at index
+    ``src_data_rank`` of every mesh axis passed (default 0: rank 0's, broadcast), so replicas
+    agree whatever each rank passed, as torch's ``src_data_rank``; ``src_data_rank=None``
+    takes each rank's own tensor, with no communication (every rank must then pass the same
+    values; so too inside ``torch.func`` transforms). On the simulated backend one tensor is
+    every device's.
     """
     api = "fd.distribute_tensor"
     if isinstance(tensor, DTensor):
@@ -607,6 +640,18 @@ def distribute_tensor(
         )
     tensor = check_tensor(tensor, f"{api}(tensor)", torch_dtensor_fix=TORCH_DTENSOR_FIX)
     layout = layout_for(device_mesh, placements, tensor.dim(), api)
+    if src_data_rank is not None and (
+        type(src_data_rank) is not int or not 0 <= src_data_rank < min(layout.mesh.shape, default=1)
+    ):
+        raise InputTypeError(
+            explain(
+                f"{api}(src_data_rank)",
+                "the source is the device at this index of every mesh axis",
+                expected=f"an int in [0, {min(layout.mesh.shape, default=1)}) or None",
+                got=repr(src_data_rank),
+                fix="leave it at 0 (rank 0's data, as torch), or None to take each rank's own tensor",
+            )
+        )
     if layout.has_partial:
         check_partial_dtype(layout, tensor.dtype, f"{api}(placements)")
     if tensor.is_meta and layout.mesh.device_type != "meta":
@@ -621,7 +666,10 @@ def distribute_tensor(
             )
         )
     moved = tensor.to(layout.mesh.device_type)
-    storage = distribute_storage(moved, layout, copy=copy and moved is tensor)
+    copy = copy and moved is tensor  # (a tensor moved to the mesh's devices is a copy already)
+    if src_data_rank is not None:  # the source rank's data: its own tensor's memory
+        moved = backend_of(layout.mesh).from_source(moved, layout.mesh, src_data_rank)
+    storage = distribute_storage(moved, layout, copy=copy)
     return DTensor(storage, layout, tensor.shape)
 
 

@@ -80,6 +80,12 @@ class ImmutableError(FunctionalDTensorError, RuntimeError, AttributeError):
     the answer to looking up an in-place method such as ``x.add_``."""
 
 
+@public
+class UnsupportedAttributeError(FunctionalDTensorError, AttributeError):
+    """An attribute of ``torch.Tensor`` that a global value held as shards cannot honour (its
+    storage, strides, autograd node); the message names what to use instead."""
+
+
 class BatchedFunctionError(FunctionalDTensorError, RuntimeError):
     """The per-device function reads a value into Python (``.item()``, ``if x > 0:``) on the
     simulated backend, where it runs once, batched over every device."""

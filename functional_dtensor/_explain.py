@@ -81,7 +81,7 @@ def explain_redistribute(
     """The plan :func:`redistribute` runs to move ``x`` (a value, or a layout with its global
     ``shape``) to ``target``: printed as a table (unless ``show=False``) and returned."""
     if isinstance(x, DTensor):
-        source, shape, dtype = x.layout, tuple(x.shape), x.dtype
+        source, shape, dtype = x.sharding, tuple(x.shape), x.dtype
     elif isinstance(x, Layout):
         if shape is None:
             raise InputTypeError(
@@ -171,7 +171,7 @@ def explain_op(op, /, *args, **kwargs) -> OpReport:
     """
     name, tensors, d = decision_for(op, args, kwargs)
     return OpReport(
-        name, tuple(t.layout for t in tensors), d.inputs, d.steps, d.cost, d.output, d.out_shapes[0]
+        name, tuple(t.sharding for t in tensors), d.inputs, d.steps, d.cost, d.output, d.out_shapes[0]
     )
 
 

@@ -29,11 +29,13 @@ import optree
 import torch
 import torch.nn.functional as F
 
+from . import _fallback as fallback
 from . import _log as log
 from . import _rules as rules
 from . import _varied as varied
 from ._backend import backend_of
 from ._blocks import valid_mask
+from ._cache import Bounded, Numbered, cached
 from ._collectives import Pvary, on_storage
 from ._dtensor import DTensor, new_value, new_value_eager, parts_of, storage_of
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, ShapeError, explain
@@ -67,7 +69,9 @@ class Handler(NamedTuple):
     sizes); an elementwise op's depends only on their types (``x * lr`` is decided once).
     ``valid(call, mesh, combination)``: whether a combination of options (one per mesh axis)
     holds on this mesh, where the rule's options alone cannot tell (a view that splits a
-    sharded dim needs the devices along it to divide the dim's first part)."""
+    sharded dim needs the devices along it to divide the dim's first part). ``by_grad``:
+    whether the decision depends on whether some input needs a gradient (then part of the
+    decision's key)."""
 
     rule: rules.Rule | None
     params: Callable
@@ -75,6 +79,7 @@ class Handler(NamedTuple):
     name: str
     by_value: bool = True
     valid: Callable | None = None
+    by_grad: bool = False  # whether ``params`` reads whether an input needs a gradient
 
 
 _NUMBERS = (int, float, bool)
@@ -86,6 +91,22 @@ _HANDLERS: dict[Callable, Handler] = {}
 
 _FUNCS: list[Callable] = []  # every registered function, by a number Dynamo takes as a constant
 _FUNC_IDS: dict[Callable, int] = {}
+
+
+#: rules by torch's op metadata: functions from a torch function to its handler, or None
+GENERIC: list[Callable[[Callable], Handler | None]] = []
+
+
+@cached(4096)
+def by_metadata(func) -> Handler | None:
+    """The handler torch's metadata gives ``func`` (e.g. the elementwise rule for an op tagged
+    ``torch.Tag.pointwise``), registered as its own; None where none does."""
+    for generic in GENERIC:
+        handler = generic(func)
+        if handler is not None:
+            register([func], handler)
+            return handler
+    return None
 
 
 def register(funcs: Sequence[Callable | None], handler: Handler) -> None:
@@ -125,22 +146,18 @@ class Context(NamedTuple):
     align: bool
 
 
-_COSTS: dict = {}
-
-
 def _steps(source: Layout, target: Layout, shape, dtype: torch.dtype) -> tuple[tuple[Step, ...], Fraction]:
     if source == target:
         return (), Fraction(0)
-    key = (source, target, shape, dtype)
-    found = _COSTS.get(key)
-    if found is None:
-        integral = not (dtype.is_floating_point or dtype.is_complex)
-        steps = plan(source, target, tuple(shape), dtype.itemsize, integral)
-        found = _COSTS[key] = (
-            steps,
-            sum((step_bytes(s, tuple(shape), dtype.itemsize) for s in steps), Fraction(0)),
-        )
-    return found
+    return _planned(source, target, tuple(shape), dtype)
+
+
+@cached(8192)
+def _planned(source: Layout, target: Layout, shape: tuple[int, ...], dtype: torch.dtype):
+    """The steps from ``source`` to ``target`` and the bytes they move per device."""
+    integral = not (dtype.is_floating_point or dtype.is_complex)
+    steps = plan(source, target, shape, dtype.itemsize, integral)
+    return steps, sum((step_bytes(s, shape, dtype.itemsize) for s in steps), Fraction(0))
 
 
 def _meta(value):
@@ -178,7 +195,7 @@ def decide(func, handler: Handler, args, kwargs, tensors: list[DTensor]) -> Deci
     shapes = tuple(tuple(t.shape) for t in tensors)
     call = rules.Call(shapes, tuple(outs[0].shape), params)
     options = handler.rule(call)
-    current = [t.layout for t in tensors]
+    current = [t.sharding for t in tensors]
     fitting = []
     for axis in range(mesh.ndim):
         here = tuple(layout.placements[axis] for layout in current)
@@ -283,16 +300,18 @@ def _check_values(name: str, leaves, tensors: list[DTensor]) -> None:
             )
 
 
-def unsupported(func) -> FunctionalDTensorError:
+def unsupported(func, *, strict: bool = False) -> FunctionalDTensorError:
     name = getattr(func, "__name__", repr(func))
+    why = " (strict: fd.strict_ops() or FD_STRICT_OPS=1 refuses running it on replicated inputs)"
     return FunctionalDTensorError(
         explain(
             f"torch.{name}",
-            f"{name} has no sharding rule for fd.DTensor (the library never gathers silently)",
+            f"{name} has no sharding rule for fd.DTensor" + (why if strict else ""),
             expected="an op with a rule (docs: Global operations)",
             got=f"{name} called on an fd.DTensor",
             fix="run it on each device's shard with fd.local_map or fd.shard_map, give it a rule with "
-            "fd.register_sharding, or compute on x.full_tensor()",
+            "fd.register_sharding, compute on x.full_tensor(), or leave strict mode to run it on "
+            "replicated inputs",
         )
     )
 
@@ -332,7 +351,9 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
     :func:`resolved` handler and number, where known)."""
     handler = _HANDLERS.get(func) if found is None else found[0]
     if handler is None:
-        raise unsupported(func)
+        handler = by_metadata(func)
+        if handler is None:
+            return _replicated(func, args, kwargs or {})
     if handler.rule is None:  # a composite of global ops, or an op on global values
         return handler.local(func, args, kwargs or {}, None)
     if kwargs or torch.compiler.is_compiling():
@@ -351,6 +372,8 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
             local.append(value)
         else:
             return _dispatch_tree(func, handler, args, {}, found)
+    if handler.by_grad:
+        key.append(_needs_grad(local))
     decision = _DECISIONS.get(tuple(key))
     if (
         decision is None
@@ -376,6 +399,11 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
 _TORCH_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, ZeroDivisionError)
 
 
+def _needs_grad(values) -> bool:
+    """Whether autograd records and some of ``values`` (fd.DTensors or storages) needs a gradient."""
+    return torch.is_grad_enabled() and any([getattr(v, "requires_grad", False) for v in values])
+
+
 def _failed(name: str, error: Exception) -> InputTypeError:
     return InputTypeError(
         explain(
@@ -387,6 +415,22 @@ def _failed(name: str, error: Exception) -> InputTypeError:
             "where torch's kernel lacks it",
         )
     )
+
+
+def _no_params(args, kwargs, tensors):
+    return ()
+
+
+def _replicated(func, args, kwargs):
+    """An op without a rule, on replicated inputs (:mod:`._fallback`)."""
+    if torch.compiler.is_compiling():
+        raise unsupported_while_compiling(getattr(func, "__name__", repr(func)), rule=False)
+    leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
+    tensors = [v for v in leaves if type(v) is DTensor]
+    if not tensors:  # a DTensor inside a container optree does not walk: nothing to lay out
+        raise unsupported(func)
+    _check_values(getattr(func, "__name__", repr(func)), leaves, tensors)
+    return fallback.run_replicated(func, args, kwargs, tensors, leaves, tree, unsupported, _failed)
 
 
 def _wrap(out, decision: Decision):
@@ -416,7 +460,7 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     if torch.compiler.is_compiling():
         spec = tuple(
             [
-                ("fd.DTensor", layout_key(v.layout), tuple(v.shape), str(v.dtype), v.requires_grad)
+                ("fd.DTensor", layout_key(v.sharding), tuple(v.shape), str(v.dtype), v.requires_grad)
                 if type(v) is DTensor
                 else (("dtype", str(v)) if isinstance(v, torch.dtype) else v)
                 for v in leaves
@@ -428,11 +472,13 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
         key = [func] if flat and not names else [func, names] if flat else [func, tree]
         for value in leaves:
             if type(value) is DTensor:
-                key += (value.layout, value.shape, storage_of(value).dtype)
+                key += (value.sharding, value.shape, storage_of(value).dtype)
             elif not handler.by_value and type(value) in _NUMBERS:
                 key.append(type(value))
             else:
                 key.append(value if flat else _key_of(value))
+        if handler.by_grad:
+            key.append(_needs_grad(tensors))
         key = tuple(key)
         decision = _DECISIONS.get(key)
         if decision is None:
@@ -494,8 +540,8 @@ def _varied_inputs(tensors: list[DTensor], decision: Decision) -> tuple[list[tor
     return storages, out_varied
 
 
-_DECISION_LIST: list[Decision] = []
-_DECISION_INDEX: dict = {}
+#: the decisions made while Dynamo traces, by the number the graph holds
+_TRACED_DECISIONS = Numbered(4096, "global ops: decisions made while compiling")
 
 
 @torch._dynamo.assume_constant_result
@@ -504,23 +550,27 @@ def _decision_index(func_id: int, names: tuple[str, ...], spec: tuple) -> int:
     shape, dtype and whether it needs a gradient; the last ``len(names)`` items keywords),
     made eagerly while Dynamo traces."""
     func = _FUNCS[func_id]
-    index = _DECISION_INDEX.get((func, names, spec))
-    if index is None:
+    made = []
+
+    def make() -> Decision:
         leaves = [_constant_arg(item) for item in spec]
         split = len(leaves) - len(names)
         args, kwargs = tuple(leaves[:split]), dict(zip(names, leaves[split:]))
         tensors = [a for a in leaves if type(a) is DTensor]
         handler = _HANDLERS[func]
         _check_values(handler.name, leaves, tensors)
-        index = _DECISION_INDEX[(func, names, spec)] = len(_DECISION_LIST)
-        decision = decide(func, handler, args, kwargs, tensors)
-        _DECISION_LIST.append(decision)
+        made.append((handler, tensors))
+        return decide(func, handler, args, kwargs, tensors)
+
+    index = _TRACED_DECISIONS.number((func, names, spec), make)
+    if made:
+        (handler, tensors), decision = made[0], _TRACED_DECISIONS[index]
         if log.compiling.isEnabledFor(logging.INFO):
             log.compiling.info(
                 "%s: decision %d made while Dynamo traces, outside the graph (inputs %s)",
                 handler.name,
                 index,
-                log.layouts(t.layout for t in tensors),
+                log.layouts(t.sharding for t in tensors),
             )
         if log.rules.isEnabledFor(logging.INFO):
             _log_decision(handler.name, tensors, decision)
@@ -532,7 +582,7 @@ def _log_decision(name: str, tensors: list[DTensor], decision: Decision) -> None
     those the rule needs where they differ, the output's, the bytes the redistributes move
     (``matmul: S(1)R, S(0)R -> P(sum)R (no communication)``); at DEBUG, the shapes and each
     input's redistribute."""
-    current = log.layouts(t.layout for t in tensors)
+    current = log.layouts(t.sharding for t in tensors)
     needed = "" if decision.direct else f" need {log.layouts(decision.inputs)}"
     cost = f"redistributes {log.size(decision.cost)} per device" if decision.cost else "no communication"
     if not decision.direct and not decision.cost:
@@ -545,14 +595,16 @@ def _log_decision(name: str, tensors: list[DTensor], decision: Decision) -> None
         for i, (t, steps) in enumerate(zip(tensors, decision.steps)):
             if steps:
                 moves = ", ".join(str(step) for step in steps)
-                log.rules.debug("  %s: input %d %s -> %s by %s", name, i, t.layout, decision.inputs[i], moves)
+                log.rules.debug(
+                    "  %s: input %d %s -> %s by %s", name, i, t.sharding, decision.inputs[i], moves
+                )
 
 
 @torch._dynamo.assume_constant_result
 def _decision_key(index: int) -> tuple:
     """A decision as constants Dynamo takes (layouts by key, dtypes by name); rebuilt in the
     graph by :func:`_rebuilt`, so its layouts are values the graph knows."""
-    d = _DECISION_LIST[index]
+    d = _TRACED_DECISIONS[index]
     return (
         tuple([layout_key(layout) for layout in d.inputs]),
         d.fits,
@@ -601,7 +653,18 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def unsupported_while_compiling(name: str) -> FunctionalDTensorError:
+def unsupported_while_compiling(name: str, *, rule: bool = True) -> FunctionalDTensorError:
+    if not rule:
+        return FunctionalDTensorError(
+            explain(
+                f"torch.{name} (under torch.compile)",
+                "an op without a sharding rule runs on replicated inputs in eager mode only",
+                expected="an op with a rule (docs: Global operations)",
+                got=f"{name} in a compiled function",
+                fix="call it outside the compiled function, give it a rule with fd.register_sharding, "
+                "or run it inside fd.shard_map / fd.local_map",
+            )
+        )
     return FunctionalDTensorError(
         explain(
             f"torch.{name} (under torch.compile)",
@@ -618,7 +681,8 @@ def _zero_padding(storage: torch.Tensor, layout: Layout, shape) -> torch.Tensor:
     return storage.masked_fill(~valid_mask(layout, shape, str(storage.device)), 0)
 
 
-_DECISIONS: dict = {}
+#: decisions by call: (op, layouts, shapes, dtypes, other arguments) -> Decision
+_DECISIONS = Bounded(16384, "global ops: decisions")
 
 
 def _on_mesh(value, mesh):
@@ -630,14 +694,29 @@ def _on_mesh(value, mesh):
 # --- users' own rules -------------------------------------------------------------------------
 
 
+class GlobalShape(tuple):
+    """The global shape of an ``fd.DTensor`` argument, as a user's rule sees it: a tuple of
+    ints (``x[0]``, ``len(x)``) that also answers ``x.ndim`` and ``x.shape``, as torch's
+    ``DTensorSpec`` does in torch's own strategy style."""
+
+    @property
+    def ndim(self) -> int:
+        return len(self)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self)
+
+
 def register_sharding(op):
     """Give ``op`` (a torch function, or a ``torch.library`` custom op) a sharding rule, as a
     decorator of the rule (torch DTensor's ``register_sharding`` as the model).
 
     The rule is called with the op's arguments, each ``fd.DTensor`` replaced by its global
-    shape (a ``torch.Size``), and returns the acceptable layouts on one mesh axis: a list of
-    ``(output placement, input placements)``, one input placement per ``fd.DTensor`` argument
-    in order (``None`` for other arguments may be included and is skipped). The op then runs
+    shape (a tuple of ints with ``.ndim`` and ``.shape``), and returns the acceptable layouts on
+    one mesh axis: a list of ``(output placement, input placements)``, one input placement per
+    ``fd.DTensor`` argument in order (``None`` for other arguments may be included and is
+    skipped). torch's style is taken as it is: ``([output placement], [input placements])``. The op then runs
     on each device's shard (on the simulated backend once per device, on its own unpadded
     shard), after the cheapest redistribute to one of the layouts, as every global op.
 
@@ -661,7 +740,7 @@ def register_sharding(op):
     def decorate(user_rule):
         def params(args, kwargs, tensors):
             shapes = optree.tree_map(
-                lambda v: v.shape if isinstance(v, DTensor) else v,
+                lambda v: GlobalShape(v.shape) if isinstance(v, DTensor) else v,
                 (args, kwargs),
                 none_is_leaf=True,
                 namespace=NAMESPACE,
@@ -672,6 +751,8 @@ def register_sharding(op):
             args, kwargs = call.params
             options = []
             for output, inputs in user_rule(*args, **kwargs):
+                if isinstance(output, (list, tuple)):  # torch's style: a placement per output
+                    (output,) = output
                 placements = tuple(p for p in inputs if p is not None)
                 options.append(rules.Option(placements, output))
             return options
@@ -726,9 +807,11 @@ def decision_for(func, args, kwargs) -> tuple[str, list[DTensor], Decision]:
     """The decision ``func`` would take on these arguments (nothing runs): its name, the
     ``fd.DTensor`` inputs and the decision."""
     kwargs = kwargs or {}
-    handler = _HANDLERS.get(func)
-    if handler is None:
-        raise unsupported(func)
+    handler = _HANDLERS.get(func) or by_metadata(func)
+    if handler is None:  # no rule: run on replicated inputs
+        if fallback.is_strict():
+            raise unsupported(func, strict=True)
+        handler = Handler(fallback.all_replicated, _no_params, None, fallback.name_of(func))
     if handler.rule is None:
         raise FunctionalDTensorError(
             explain(

@@ -62,7 +62,7 @@ def torch_placements(layout: Layout) -> tuple:
     if len(ops) > 1 and ops != {"sum", "avg"}:
         raise LayoutError(
             explain(
-                "fd.to_torch(x.layout)",
+                "fd.to_torch(x.sharding)",
                 "torch's DTensor does not mix Partial reductions other than sum and avg",
                 expected="one Partial reduction, or sum and avg",
                 got=str(layout),
@@ -293,7 +293,7 @@ def to_torch(x, /, *, copy: bool = True):
         )
     from torch.distributed.tensor import DTensor as TorchDTensor
 
-    layout, shape = x.layout, tuple(x.shape)
+    layout, shape = x.sharding, tuple(x.shape)
     mesh = layout.mesh
     torch_mesh = _torch_mesh(mesh, f"{api}(x.device_mesh)")
     placements = torch_placements(layout)

@@ -224,7 +224,9 @@ def _call(m: _LocalMap, args: tuple, kwargs: dict):
     backend = backend_of(mesh)
     run = _run_distributed
     if backend.stacked:
-        even = all([shard_table(v.layout, tuple(v.shape)).is_even for v in inputs if isinstance(v, DTensor)])
+        even = all(
+            [shard_table(v.sharding, tuple(v.shape)).is_even for v in inputs if isinstance(v, DTensor)]
+        )
         run = _run_batched if even else _run_looped
     try:
         flat, tree = run(m, mesh, inputs, treedef, paths, kwargs)
@@ -290,12 +292,12 @@ def _checked_input(m: _LocalMap, mesh: DeviceMesh, value: DTensor, entry, path: 
                 f"{API}({where})",
                 "the argument is an fd.DTensor, but its entry is None",
                 expected="its placements (one per mesh axis) or an fd.P",
-                got=f"None for a DTensor laid out {value.layout}",
+                got=f"None for a DTensor laid out {value.sharding}",
                 fix=f"give its placements, e.g. {list(value.placements)!r}",
             )
         )
     layout = layout_for(mesh, entry, value.ndim, API, argument=where)
-    if value.layout == layout:
+    if value.sharding == layout:
         return value
     if m.redistribute:
         return redistribute(value, layout)
@@ -308,7 +310,7 @@ def _raise_layout(value: DTensor, layout: Layout, path: str):
             f"{API}(func)(args{path})",
             "the DTensor's layout differs from its in_placements entry",
             expected=f"{layout} ({list(layout.placements)!r})",
-            got=f"{value.layout}",
+            got=f"{value.sharding}",
             fix="pass redistribute_inputs=True to fd.local_map, "
             f"or x.redistribute({list(layout.placements)!r}) first",
         )

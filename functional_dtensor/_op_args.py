@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ._cache import cached
+
 __all__ = ["tensors_of", "replace_inputs", "written_tensors"]
 
 
@@ -45,17 +47,12 @@ def replace_inputs(func, args, kwargs, replace):
 _KEEPS_VALUES = frozenset({"requires_grad_", "share_memory_", "pin_memory_"})
 
 
-_WRITES_FIRST: dict = {}  # func -> whether it writes its first tensor argument (decided once)
-
-
+@cached(4096)
 def _writes_first(func) -> bool:
-    found = _WRITES_FIRST.get(func)
-    if found is None:
-        name = getattr(func, "__name__", "")
-        found = _WRITES_FIRST[func] = (
-            name.endswith("_") and not name.endswith("__") and name not in _KEEPS_VALUES
-        ) or name == "__setitem__"
-    return found
+    """Whether ``func`` writes its first tensor argument (decided once per function)."""
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__") and name not in _KEEPS_VALUES
+    return in_place or name == "__setitem__"
 
 
 def written_tensors(func, args, kwargs) -> list[torch.Tensor]:

@@ -113,11 +113,11 @@ class Optimizer:
                         f"{where}(params{path})",
                         "a parameter is a value, not a sum still to be taken",
                         expected="Shard or Replicate placements",
-                        got=str(leaf.layout),
+                        got=str(leaf.sharding),
                         fix="redistribute it to Replicate first",
                     )
                 )
-        self._layouts = [(leaf.layout, leaf.shape, leaf.dtype) for leaf in leaves]
+        self._layouts = [(leaf.sharding, leaf.shape, leaf.dtype) for leaf in leaves]
         self._tensors = [self._distinct(leaf).detach().clone() for leaf in leaves]
         # the storages the last step returned, where they share no memory with the tensors the
         # optimizer updates: given back, their distinct blocks are those tensors already
@@ -130,7 +130,7 @@ class Optimizer:
 
     @staticmethod
     def _distinct(value: DTensor) -> torch.Tensor:
-        return backend_of(value.device_mesh).distinct(storage_of(value), value.layout)
+        return backend_of(value.device_mesh).distinct(storage_of(value), value.sharding)
 
     @staticmethod
     def _storage(distinct: torch.Tensor, layout, shape) -> torch.Tensor:
@@ -175,7 +175,7 @@ class Optimizer:
                         fix="pass the parameters (and their gradients) of this model",
                     )
                 )
-            if leaf.layout != layout:
+            if leaf.sharding != layout:
                 leaf = redistribute(leaf, layout)
             out.append(leaf)
         return out
@@ -281,7 +281,11 @@ class Optimizer:
                                 fix="load the state of the same model",
                             )
                         )
-                    v = self._distinct(v if v.layout == layout else redistribute(v, layout)).detach().clone()
+                    v = (
+                        self._distinct(v if v.sharding == layout else redistribute(v, layout))
+                        .detach()
+                        .clone()
+                    )
                 elif isinstance(v, torch.Tensor):
                     v = v.detach().clone()  # torch keeps a step counter as given, and counts in place
                 converted[key] = v
@@ -336,7 +340,7 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
         part = (
             g.abs().amax() if infinite else (g.abs() ** norm_type).sum() if norm_type != 2 else (g * g).sum()
         )
-        key = part.layout
+        key = part.sharding
         groups[key] = (
             part
             if key not in groups

@@ -467,7 +467,7 @@ def _build(module, mesh, styles_of, layouts, root_fns, api) -> ShardedModule:
         storage = storage_of(value).detach()
         if name in trainable:
             storage = storage.requires_grad_(tensor.requires_grad)
-        values[name] = new_value(storage, value.layout, value.shape)
+        values[name] = new_value(storage, value.sharding, value.shape)
     sharded_params = {name: values[name] for name in params if name in trainable}
     buffers = {name: values[name] for name in params if name not in trainable}
 
@@ -594,11 +594,11 @@ def _gather_hook(names, places, mesh, axis):
         even = [n for n, v in values.items() if _even_on_dim0(v)]
         storages = varied.gather_unit([storage_of(values[n]) for n in even], mesh, axis)
         gathered = {
-            n: new_value(s, _gathered(values[n].layout), values[n].shape) for n, s in zip(even, storages)
+            n: new_value(s, _gathered(values[n].sharding), values[n].shape) for n, s in zip(even, storages)
         }
         for name, value in values.items():
             if name not in gathered:
-                gathered[name] = gather_varied(value, _gathered(value.layout), (axis,))
+                gathered[name] = gather_varied(value, _gathered(value.sharding), (axis,))
             for sub, attr in places[name]:
                 sub._parameters[attr] = gathered[name]
 
@@ -607,7 +607,7 @@ def _gather_hook(names, places, mesh, axis):
 
 def _even_on_dim0(value: DTensor) -> bool:
     """Whether every device's block of ``value`` has the same length along dim 0."""
-    first = value.layout.spec[0]
+    first = value.sharding.spec[0]
     names = (first,) if isinstance(first, str) else tuple(first)
     return value.shape[0] % value.device_mesh.axis_size(names) == 0
 
@@ -646,7 +646,7 @@ class _Apply:
 
     def _invariant(self, value):
         if isinstance(value, DTensor) and varied.axes_of(storage_of(value)):
-            return new_value(varied.invariant(storage_of(value), self._mesh), value.layout, value.shape)
+            return new_value(varied.invariant(storage_of(value), self._mesh), value.sharding, value.shape)
         return value
 
     def _check(self, params) -> None:
@@ -691,7 +691,7 @@ class _Apply:
             for axis, names in self._replicated_over.items():
                 storages = varied.vary_all([storage_of(params[n]) for n in names], self._mesh, (axis,))
                 for name, storage in zip(names, storages):
-                    params[name] = new_value(storage, params[name].layout, params[name].shape)
+                    params[name] = new_value(storage, params[name].sharding, params[name].shape)
             for source in (params, self._buffers):
                 for name, value in source.items():
                     for sub, attr in self._places[name]:

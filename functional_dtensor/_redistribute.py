@@ -27,7 +27,7 @@ from . import _blocks as blocks
 from . import _log as log
 from . import _varied as varied
 from ._backend import backend_of
-from ._cache import cached
+from ._cache import Bounded, Numbered, cached
 from ._dtensor import DTensor, check_partial_dtype, layout_for, storage_of, without_partial
 from ._errors import InputTypeError, MeshError, explain
 from ._layout import Layout, PlacementsOrSpec
@@ -70,7 +70,7 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
             )
         )
     target = layout_for(x.device_mesh, placements, x.ndim, "fd.redistribute")
-    if target == x.layout:
+    if target == x.sharding:
         return x
     if target.has_partial:
         check_partial_dtype(target, x.dtype, "fd.redistribute(placements)")
@@ -82,7 +82,7 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
     # axes keep their placements, and is made invariant first where they change
     mesh = x.device_mesh
     if any(a != b and n in axes for n, a, b in zip(mesh.axis_names, x.placements, target.placements)):
-        return _moved(DTensor(varied.invariant(storage, mesh), x.layout, x.shape), target)
+        return _moved(DTensor(varied.invariant(storage, mesh), x.sharding, x.shape), target)
     out = _moved(x, target)
     varied.mark(storage_of(out), axes)
     return out
@@ -92,10 +92,10 @@ def _moved(x: DTensor, target: Layout) -> DTensor:
     """``x`` in ``target`` by the planned steps, one autograd node whose backward moves the
     cotangent back."""
     storage, shape = storage_of(x), tuple(x.shape)
-    back_source, back_target, same = _back(x.layout, target)
-    steps = _steps(x.layout, target, shape, storage)
+    back_source, back_target, same = _back(x.sharding, target)
+    steps = _steps(x.sharding, target, shape, storage)
     back = (back_source, back_target, () if same else _steps(back_source, back_target, shape, storage, True))
-    storage = autograd.apply(_Redistribute, storage, x.layout, target, shape, steps, back)
+    storage = autograd.apply(_Redistribute, storage, x.sharding, target, shape, steps, back)
     return DTensor(storage, target, x.shape)
 
 
@@ -112,10 +112,10 @@ def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...
         tuple(Partial() if name in axes else p for name, p in zip(mesh.axis_names, target.placements)),
         target.shard_order,
     )
-    source = without_partial(x.layout)
+    source = without_partial(x.sharding)
     back = (parts, source, _steps(parts, source, shape, storage, True))
     out = autograd.apply(
-        _Redistribute, storage, x.layout, target, shape, _steps(x.layout, target, shape, storage), back
+        _Redistribute, storage, x.sharding, target, shape, _steps(x.sharding, target, shape, storage), back
     )
     return DTensor(varied.mark(out, {*axes, *varied.axes_of(storage)}), target, x.shape)
 
@@ -216,8 +216,8 @@ class _Redistribute(torch.autograd.Function):
 
 
 # Under torch.compile the planner is not traced: it runs eagerly, from primitive keys of the
-# layouts, and the graph keeps the index of its plan here.
-_PLANS: list[tuple[Step, ...]] = []
+# layouts, and the graph keeps the number of its plan here.
+_PLANS = Numbered(4096, "redistribute: plans by number")
 _STEP_KINDS = {
     kind.__name__: kind
     for kind in (
@@ -234,7 +234,6 @@ _STEP_KINDS = {
         Regather,
     )
 }
-_PLAN_INDEX: dict[tuple[Step, ...], int] = {}
 
 
 def _back(source: Layout, target: Layout) -> tuple[Layout, Layout, bool]:
@@ -312,13 +311,10 @@ def _plan_index(
     source_key: tuple, target_key: tuple, shape: tuple[int, ...], itemsize: int, integral: bool
 ) -> int:
     steps = plan(layout_of_key(source_key), layout_of_key(target_key), shape, itemsize, integral)
-    if steps not in _PLAN_INDEX:
-        _PLAN_INDEX[steps] = len(_PLANS)
-        _PLANS.append(steps)
-    return _PLAN_INDEX[steps]
+    return _PLANS.number(steps, lambda: steps)
 
 
-_LOGGED_PLANS: set[tuple] = set()  # the plans logged: each once
+_LOGGED_PLANS = Bounded(4096, "redistribute: plans logged")  # the plans logged: each once
 
 
 def _log_plan(key: tuple, steps: tuple[Step, ...], gradient: bool) -> None:
@@ -326,7 +322,7 @@ def _log_plan(key: tuple, steps: tuple[Step, ...], gradient: bool) -> None:
     once per plan; ``gradient``: the plan of a cotangent's way back."""
     if (key, gradient) in _LOGGED_PLANS:
         return
-    _LOGGED_PLANS.add((key, gradient))
+    _LOGGED_PLANS[(key, gradient)] = True
     source, target, shape, itemsize, _ = key
     costs = [step_bytes(step, shape, itemsize) for step in steps]
     moved = sum(costs, 0)

@@ -321,7 +321,7 @@ def _axes_of(axis_name, where: str) -> tuple[str, ...]:
 def _sequence_axes(x: DTensor) -> tuple[str, ...] | None:
     """The mesh axes that split ``x``'s dim -2 (major first); None where ``x`` holds partial
     values."""
-    if x.layout.has_partial:
+    if x.sharding.has_partial:
         return None
     entries = x.spec.entries
     entry = entries[x.ndim - 2] if len(entries) > x.ndim - 2 else None
@@ -394,14 +394,14 @@ def context_parallel_attention(
         )
     _check_agree(q, k, v, where, "global shape")
     seq = _sequence_axes(q)
-    if seq != axes or (q.layout.sharding_axes(q.ndim - 1) if q.ndim else ()):
+    if seq != axes or (q.sharding.sharding_axes(q.ndim - 1) if q.ndim else ()):
         raise LayoutError(
             explain(
                 f"{where}(q)",
                 f"q's sequence dim (-2) must be split over {axes} and its feature dim (-1) whole",
                 expected=f"a layout whose spec names {axes if len(axes) > 1 else axes[0]!r} at dim "
                 f"{q.ndim - 2}",
-                got=str(q.layout),
+                got=str(q.sharding),
                 fix=f"fd.redistribute(q, fd.P(..., {axes if len(axes) > 1 else axes[0]!r}, None)) first",
             )
         )
@@ -420,7 +420,7 @@ def context_parallel_attention(
                 )
             )
     spec = q.spec
-    k, v = (x if x.layout == q.layout else x.redistribute(spec) for x in (k, v))
+    k, v = (x if x.sharding == q.sharding else x.redistribute(spec) for x in (k, v))
     return _mapped(mesh, spec, axes, bool(causal), None if scale is None else float(scale))(q, k, v)
 
 

@@ -38,6 +38,9 @@ __all__ = [
     "SUM",
     "elementwise",
     "linear",
+    "affine",
+    "additive",
+    "extremum",
     "matmul",
     "reduction",
     "along",
@@ -46,10 +49,14 @@ __all__ = [
     "concatenation",
     "embedding",
     "gather",
+    "whole",
 ]
 
 R = Replicate()
 SUM = Partial("sum")
+AVG = Partial("avg")
+MAX = Partial("max")
+MIN = Partial("min")
 
 
 class Call(NamedTuple):
@@ -79,11 +86,13 @@ def _aligned(shape: tuple[int, ...], out_ndim: int, dim: int) -> int | None:
     return own if own >= 0 and shape[own] != 1 else None
 
 
-def elementwise(call: Call, *, partial: tuple[int, ...] = ()) -> list[Option]:
+def elementwise(call: Call, *, partial: tuple[int, ...] = (), average: bool = True) -> list[Option]:
     """An op applied element by element, with broadcasting: every input sharded on the dims
     aligned with one output dim (replicated where it broadcasts), or every input replicated.
     ``partial``: the inputs the op is linear in; ``Partial(sum)`` on them (the others
-    replicated) gives ``Partial(sum)``."""
+    replicated) gives ``Partial(sum)``, and so does ``Partial(avg)`` where ``average`` (not
+    where a replicated input needs a gradient: its gradient would sum, not average, the
+    parts' contributions)."""
     shapes = [s for s in call.shapes if s is not None]
     out_ndim = len(call.out_shape)
     options = [Option((R,) * len(shapes), R)]
@@ -95,8 +104,9 @@ def elementwise(call: Call, *, partial: tuple[int, ...] = ()) -> list[Option]:
             own = _aligned(shape, out_ndim, dim)
             inputs.append(R if own is None else Shard(own))
         options.append(Option(tuple(inputs), Shard(dim)))
-    if partial:
-        options.append(Option(tuple(SUM if i in partial else R for i in range(len(shapes))), SUM))
+    kinds = (SUM, AVG) if average or len(partial) == len(shapes) else (SUM,)
+    for kind in kinds if partial else ():  # a mean of parts is a sum of parts, scaled
+        options.append(Option(tuple(kind if i in partial else R for i in range(len(shapes))), kind))
     return options
 
 
@@ -104,6 +114,46 @@ def linear(call: Call) -> list[Option]:
     """An elementwise op linear in every input together (``add``, ``sub``, ``neg``)."""
     shapes = [s for s in call.shapes if s is not None]
     return elementwise(call, partial=tuple(range(len(shapes))))
+
+
+def _mixed(count: int, kind: Partial) -> list[Option]:
+    """``kind`` on some inputs and ``Replicate`` on the others (at least one ``kind``), giving
+    ``kind``: for an op that passes its replicated operands into every part alike."""
+    return [
+        Option(tuple(kind if (mask >> i) & 1 else R for i in range(count)), kind)
+        for mask in range(1, 1 << count)
+    ]
+
+
+def affine(call: Call, *, gradients: bool = False) -> list[Option]:
+    """``a + b``, ``a - b`` with a constant or a replicated operand: an average of parts plus
+    a constant is the average of the parts plus it (a sum of parts is not). With
+    ``gradients`` (some input needs one), a replicated input stays out of the parts: its
+    gradient would sum the parts' contributions, not average them."""
+    count = sum(s is not None for s in call.shapes)
+    mixed = [o for o in _mixed(count, AVG) if not gradients or R not in o.inputs]
+    return elementwise(call) + mixed
+
+
+def additive(call: Call, *, gradients: bool = False) -> list[Option]:
+    """``a + b``, ``a - b`` of two values: linear in both, and affine in one where the other
+    is replicated (see :func:`affine`)."""
+    count = sum(s is not None for s in call.shapes)
+    mixed = [] if gradients else [o for o in _mixed(count, AVG) if R in o.inputs]
+    return linear(call) + mixed
+
+
+def extremum(kind: Partial):
+    """``maximum`` / ``minimum`` (``kind`` max / min): the largest of maxima is the maximum of
+    the parts' largest, a replicated operand taken into every part; without gradients (as
+    ``amax`` of a sharded dim: only the part that holds the extreme may take one)."""
+
+    def rule(call: Call) -> list[Option]:
+        (gradients,) = call.params
+        count = sum(s is not None for s in call.shapes)
+        return elementwise(call) + ([] if gradients else _mixed(count, kind))
+
+    return rule
 
 
 def matmul(call: Call) -> list[Option]:
@@ -156,23 +206,29 @@ def reduction(call: Call) -> list[Option]:
                 options.append(Option((Shard(d),), _PARTIAL_OF[kind]))
         else:
             options.append(Option((Shard(d),), Shard(d if keepdim else kept.index(d))))
-    if kind in ("sum", "mean"):
-        options.append(Option((SUM,), SUM))
+    if kind in ("sum", "mean"):  # linear: parts reduced are the parts of the reduction
+        options += [Option((SUM,), SUM), Option((AVG,), AVG)]
+    elif _PARTIAL_OF[kind] in (MAX, MIN):  # the extreme of parts' extremes
+        options.append(Option((_PARTIAL_OF[kind],), _PARTIAL_OF[kind]))
     return options
 
 
 def along(call: Call) -> list[Option]:
     """An op that needs the dims ``params[0]`` of its first input whole (``softmax``,
-    ``layer_norm``): the other dims may stay sharded, and every other tensor input (a weight
-    over the whole dims) is replicated."""
+    ``layer_norm``, ``max`` along a dim): the other dims may stay sharded, and every other
+    tensor input (a weight over the whole dims) is replicated. Where the output has fewer
+    dims (a reduction without ``keepdim``), the whole dims are the ones it drops, and a
+    sharded dim moves down past them (``x.max(0)`` of ``Shard(1)`` is ``Shard(0)``)."""
     (whole,) = call.params[:1]
     shapes = call.shapes
     first = shapes[0]
     others = sum(1 for s in shapes[1:] if s is not None)
+    dropped = len(first) > len(call.out_shape)
     options = [Option((R,) * (1 + others), R)]
     for d in range(len(first)):
         if d not in whole and first[d] > 1:
-            options.append(Option((Shard(d),) + (R,) * others, Shard(d)))
+            out = d - sum(w < d for w in whole) if dropped else d
+            options.append(Option((Shard(d),) + (R,) * others, Shard(out)))
     return options
 
 
@@ -214,10 +270,14 @@ def concatenation(call: Call) -> list[Option]:
 def embedding(call: Call) -> list[Option]:
     """``embedding(indices, table)``: indices sharded any way (the table replicated), the
     table sharded on its embedding dim, or on its rows: each device looks up the rows it
-    holds, zeros elsewhere, and the output is their ``Partial(sum)``."""
+    holds, zeros elsewhere, and the output is their ``Partial(sum)``. With a ``max_norm``
+    (``params[0]``), each row looked up is scaled by its norm: the rows must be whole (the
+    table not sharded on its embedding dim)."""
     indices, table = call.shapes
     out = len(call.out_shape)
+    whole_rows = bool(call.params) and call.params[0] is not None
     options = [Option((R, R), R), Option((R, Shard(1)), Shard(out - 1)), Option((R, Shard(0)), SUM)]
+    options = [o for o in options if not (whole_rows and o.inputs[1] == Shard(1))]
     for d in range(len(indices)):
         if indices[d] > 1:
             options.append(Option((Shard(d), R), Shard(d)))
@@ -240,3 +300,9 @@ def gather(call: Call) -> list[Option]:
     if x and x[dim] > 1:
         options.append(Option((Shard(dim), R), SUM))
     return options
+
+
+def whole(call: Call) -> list[Option]:
+    """An op that needs every input whole (a matrix norm of singular values): replicated."""
+    count = sum(s is not None for s in call.shapes)
+    return [Option((R,) * count, R)]

@@ -304,10 +304,10 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
     if isinstance(value, (bool, int, float, complex)) and not plan.specs[i]:  # with spec P(): 0-d (as JAX)
         value = torch.tensor(value)
     if isinstance(value, DTensor):
-        key = None if torch.compiler.is_compiling() else (value.layout, value.shape)  # (unhashable there)
+        key = None if torch.compiler.is_compiling() else (value.sharding, value.shape)  # (unhashable there)
         layout = None if key is None else plan.layouts[i].get(key)
         if layout is None:
-            layout = _checked_layout(mesh, plan, i, value.layout, value.shape)
+            layout = _checked_layout(mesh, plan, i, value.sharding, value.shape)
             if key is not None:
                 plan.layouts[i][key] = layout
         storage = storage_of(value)

@@ -18,10 +18,10 @@ from . import random as fd_random
 from ._backend import backend_of, is_transformed
 from ._blocks import valid_mask
 from ._cache import cached
-from ._dtensor import DTensor, from_local, storage_of, without_partial
+from ._dtensor import DTensor, storage_of, without_partial
 from ._errors import InputTypeError, ShapeError, explain
 from ._factories import empty, full, ones, zeros
-from ._global_ops import Handler, dispatch, refused, register, resolved
+from ._global_ops import GENERIC, Handler, dispatch, refused, register
 from ._placements import Shard
 from ._sharding import shard_table
 
@@ -116,9 +116,18 @@ def _divisor_local(func, args, kwargs, ctx):
     return _elementwise_local(func, args, kwargs, ctx)
 
 
+def _gradients(args, kwargs, tensors):
+    """Whether some input needs a gradient (a rule's Partial options may depend on it)."""
+    return (torch.is_grad_enabled() and any([t.requires_grad for t in tensors]),)
+
+
+_EXTREMA = {"maximum": rules.extremum(rules.MAX), "minimum": rules.extremum(rules.MIN)}
 for _name in _UNARY + _BINARY:
     local = _divisor_local if _name in ("remainder", "fmod") else _elementwise_local
-    register(_functions(_name), Handler(rules.elementwise, _none, local, _name, False))
+    if _name in _EXTREMA:
+        register(_functions(_name), Handler(_EXTREMA[_name], _gradients, local, _name, False, by_grad=True))
+    else:
+        register(_functions(_name), Handler(rules.elementwise, _none, local, _name, False))
 for _name in ("neg", "negative"):
     register(_functions(_name), Handler(rules.linear, _none, _elementwise_local, _name, False))
 
@@ -129,50 +138,61 @@ def _operands(args, kwargs) -> list:
 
 def _constant_operand(args, kwargs, tensors):
     """Whether a number or a plain tensor is an operand (``x + 1``): a constant added on every
-    device's part of a Partial(sum) value would be counted once per device."""
-    return (any(not isinstance(v, DTensor) for v in _operands(args, kwargs)),)
+    device's part of a Partial(sum) value would be counted once per device; and whether some
+    input needs a gradient."""
+    constant = any(not isinstance(v, DTensor) for v in _operands(args, kwargs))
+    return (constant, *_gradients(args, kwargs, tensors))
 
 
 def _sum(call):
     """``a + b``, ``a - b``: linear in the fd.DTensor operands together, affine with a constant."""
-    (constant,) = call.params
-    return rules.elementwise(call) if constant else rules.linear(call)
+    constant, gradients = call.params
+    return (rules.affine if constant else rules.additive)(call, gradients=gradients)
 
 
 for _name in ("add", "sub", "subtract"):
-    register(_functions(_name), Handler(_sum, _constant_operand, _elementwise_local, _name, False))
+    register(
+        _functions(_name), Handler(_sum, _constant_operand, _elementwise_local, _name, False, by_grad=True)
+    )
 
 
 def _numerator_first(args, kwargs, tensors):
-    return (isinstance(_operands(args, kwargs)[0], DTensor),)
+    return (isinstance(_operands(args, kwargs)[0], DTensor), *_gradients(args, kwargs, tensors))
 
 
 def _quotient(call):
-    """``a / b``: Partial(sum) passes through the numerator alone (``2 / x`` is not linear)."""
-    (numerator,) = call.params
-    return rules.elementwise(call, partial=(0,) if numerator else ())
+    """``a / b``: Partial(sum) passes through the numerator alone (``2 / x`` is not linear);
+    Partial(avg) too where the denominator needs no gradient."""
+    numerator, gradients = call.params
+    return rules.elementwise(call, partial=(0,) if numerator else (), average=not gradients)
 
 
 def _product(call):
-    """``a * b``: Partial(sum) in one factor, the other replicated."""
+    """``a * b``: Partial(sum) in one factor, the other replicated; Partial(avg) too where the
+    replicated factor needs no gradient."""
+    (gradients,) = call.params
     tensors = sum(s is not None for s in call.shapes)
-    options = rules.elementwise(call, partial=(0,))
+    options = rules.elementwise(call, partial=(0,), average=not gradients)
     if tensors == 2:
-        options += [o for o in rules.elementwise(call, partial=(1,)) if o.output == rules.SUM]
+        more = rules.elementwise(call, partial=(1,), average=not gradients)
+        options += [o for o in more if o.output.is_partial()]
     return options
 
 
 for _name in ("mul", "multiply"):
-    register(_functions(_name), Handler(_product, _none, _elementwise_local, _name, False))
+    register(_functions(_name), Handler(_product, _gradients, _elementwise_local, _name, False, by_grad=True))
 for _name in ("div", "divide", "true_divide"):
     register(
         _functions(_name),
-        Handler(_quotient, _numerator_first, _divisor_local, _name, False),
+        Handler(_quotient, _numerator_first, _divisor_local, _name, False, by_grad=True),
     )
 
 
 def _conversion_params(args, kwargs, tensors):
+    mesh = tensors[0].device_mesh
     for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, (torch.device, str)) and _device_type(value) == mesh.device_type:
+            continue  # the devices the value is on already: x.to("cpu") on a CPU mesh
         if isinstance(value, (torch.device, str)) or (
             isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
         ):
@@ -188,6 +208,13 @@ def _conversion_params(args, kwargs, tensors):
     return ()
 
 
+def _device_type(value) -> str | None:
+    try:
+        return torch.device(value).type
+    except (RuntimeError, TypeError):
+        return None
+
+
 def _conversion_local(func, args, kwargs, ctx):
     if func is torch.Tensor.type_as:
         return args[0].to(ctx.decision.out_dtypes[0])
@@ -198,10 +225,31 @@ register(
     [getattr(torch.Tensor, n) for n in "float double half bfloat16 clone contiguous".split()] + [torch.clone],
     Handler(rules.linear, _conversion_params, _conversion_local, "to"),
 )
+
+
+def _to_on_mesh(x, *args, **kwargs):
+    """``Tensor.to`` without a device (or with the one the value is on)."""
+    return x.to(*args, **kwargs)
+
+
+def _to(func, args, kwargs, ctx):
+    """``x.to(...)``: the devices the value is on already name no move (``x.to("cpu")`` on a
+    CPU mesh); a dtype converts; another device is refused (see :func:`_conversion_params`)."""
+    x, mesh = args[0], args[0].device_mesh
+
+    def here(value) -> bool:
+        return isinstance(value, (torch.device, str)) and _device_type(value) == mesh.device_type
+
+    rest = [v for v in args[1:] if not here(v)]
+    kwargs = {k: v for k, v in kwargs.items() if not (k == "device" and here(v))}
+    return dispatch(_to_on_mesh, (x, *rest), kwargs) if rest or kwargs else x
+
+
 register(
-    [getattr(torch.Tensor, n) for n in "to int long bool type_as".split()],
+    [_to_on_mesh] + [getattr(torch.Tensor, n) for n in "int long bool type_as".split()],
     Handler(rules.elementwise, _conversion_params, _conversion_local, "to"),
 )
+register([torch.Tensor.to], Handler(None, _none, _to, "to"))
 register([torch.Tensor.detach, torch.detach], Handler(rules.linear, _none, _plain, "detach"))
 
 
@@ -417,7 +465,8 @@ def _reduction_rule(call):
 
 for _kind in ("sum", "mean", "amax", "amin", "prod"):
     _params, _local = _reduction(_kind)
-    register(_functions(_kind), Handler(_reduction_rule, _params, _local, _kind))
+    by_grad = _kind in ("amax", "amin")  # with gradients, a sharded dim is gathered (see params)
+    register(_functions(_kind), Handler(_reduction_rule, _params, _local, _kind, by_grad=by_grad))
 
 
 def _max_min(kind: str):
@@ -432,7 +481,8 @@ def _max_min(kind: str):
             return elementwise(args[0], other)
         if other is None:
             return whole(args[0])
-        return dispatch(_MAX_ALONG[kind], (args[0], other, *args[2:]), {k: v for k, v in kwargs.items()})
+        rest = {k: v for k, v in kwargs.items() if k != "dim"}  # the dim is passed as `other`
+        return dispatch(_MAX_ALONG[kind], (args[0], other, *args[2:]), rest)
 
     return composite
 
@@ -450,20 +500,38 @@ def _along_max(kind):
     return local
 
 
-def _dim_param(position: int, name: str = "dim"):
+def _checked_dim(dim: int, ndim: int, op: str) -> int:
+    """``dim`` of a value of ``ndim`` dims, counted from 0 (a 0-d value takes 0 and -1, as in
+    torch); one out of range refused, as torch refuses it (some meta kernels, softmax's, do
+    not check: ``dim % ndim`` would wrap it around to another dim)."""
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise ShapeError(
+            explain(
+                f"torch.{op}(dim)",
+                "the dim is out of range (as on one device)",
+                expected=f"a dim in [{-size}, {size - 1}] of a value of {ndim} dims",
+                got=f"dim={dim}",
+                fix=f"count dims from 0 or from the end (-1 is the last of {ndim})",
+            )
+        )
+    return dim % size
+
+
+def _dim_param(position: int, op: str, name: str = "dim", default: int | None = None):
     def params(args, kwargs, tensors):
-        dim = kwargs.get(name, args[position] if len(args) > position else None)
+        dim = kwargs.get(name, args[position] if len(args) > position else default)
         if not isinstance(dim, int):
             raise InputTypeError(
                 explain(
-                    f"torch op on fd.DTensor ({name})",
+                    f"torch.{op}({name})",
                     "this op on an fd.DTensor needs its dim as an int",
                     expected=f"{name}=<int>",
                     got=repr(dim),
                     fix=f"pass {name} explicitly",
                 )
             )
-        return ((dim % max(tensors[0].ndim, 1),),)  # a 0-d value takes dim 0 or -1, as in torch
+        return ((_checked_dim(dim, tensors[0].ndim, op),),)
 
     return params
 
@@ -478,8 +546,42 @@ def _min_along(input, dim, keepdim=False):
 
 _MAX_ALONG = {"max": _max_along, "min": _min_along}  # the along-a-dim forms, with their own rule
 for _kind in ("max", "min"):
-    register([_MAX_ALONG[_kind]], Handler(rules.along, _dim_param(1), _along_max(_kind), _kind))
+    register([_MAX_ALONG[_kind]], Handler(rules.along, _dim_param(1, _kind), _along_max(_kind), _kind))
     register(_functions(_kind), Handler(None, _none, _max_min(_kind), _kind))
+
+
+def _arg_params(name: str):
+    """``argmax``/``argmin``: the dim they reduce must be whole; without one, every dim."""
+
+    def params(args, kwargs, tensors):
+        dim, ndim = kwargs.get("dim", args[1] if len(args) > 1 else None), tensors[0].ndim
+        return (tuple(range(ndim)) if dim is None else (_checked_dim(dim, ndim, name),),)
+
+    return params
+
+
+def _arg_local(func, args, kwargs, ctx):
+    (whole,), ndim = ctx.decision.call.params, len(ctx.decision.call.shapes[0])
+    x, lead = args[0], args[0].shape[: ctx.lead]
+    if len(whole) != 1 or not ndim:  # of every element (or a 0-d value's one): flattened
+        return func(x.reshape(*lead, -1), -1).reshape((*lead, *ctx.decision.out_shapes[0]))
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    return func(x, whole[0] - ndim, keepdim=keepdim)
+
+
+def _sort_local(func, args, kwargs, ctx):
+    ((dim,),), ndim = ctx.decision.call.params, len(ctx.decision.call.shapes[0])
+    descending = args[2] if len(args) > 2 else kwargs.get("descending", False)
+    rest = {k: v for k, v in kwargs.items() if k not in ("dim", "descending")}
+    if not ndim:  # a 0-d value: along a dim of its own, not the device dim
+        out = func(args[0].unsqueeze(-1), -1, descending, **rest)
+        return type(out)([o.squeeze(-1) for o in out])
+    return func(args[0], dim - ndim, descending, **rest)
+
+
+for _name in ("argmax", "argmin"):
+    register(_functions(_name), Handler(rules.along, _arg_params(_name), _arg_local, _name))
+register(_functions("sort"), Handler(rules.along, _dim_param(1, "sort", default=-1), _sort_local, "sort"))
 
 
 def _on_meta(func, args, kwargs):
@@ -492,26 +594,90 @@ def _on_meta(func, args, kwargs):
         raise refused(getattr(func, "__name__", "op"), f"{tuple(x.shape)} {x.dtype}", error) from None
 
 
+def _arguments(args, kwargs, **defaults) -> list:
+    """The named arguments' values (``defaults`` in signature order), then the keyword ``dtype``."""
+    bound = dict(zip(defaults, args)) | kwargs
+    return [bound.get(name, default) for name, default in defaults.items()] + [kwargs.get("dtype")]
+
+
 def _norm(func, args, kwargs, ctx):
-    x = args[0]
+    """``torch.norm`` / ``Tensor.norm``: a vector or a matrix norm, as torch's own code picks."""
     _on_meta(func, args, kwargs)
-    p = args[1] if len(args) > 1 else kwargs.get("p", 2)
-    dim = args[2] if len(args) > 2 else kwargs.get("dim")
-    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
-    if p in ("fro", None):
-        p = 2
-    if p == math.inf:
-        return (
-            torch.amax(torch.abs(x), dim=dim, keepdim=keepdim)
-            if dim is not None
-            else torch.amax(torch.abs(x))
-        )
-    powers = torch.pow(torch.abs(x), p)
-    total = torch.sum(powers, dim=dim, keepdim=keepdim) if dim is not None else torch.sum(powers)
-    return torch.pow(total, 1.0 / p)
+    x, p, dim, keepdim, dtype = _arguments(args, kwargs, input=None, p="fro", dim=None, keepdim=False)
+    dims = (dim,) if isinstance(dim, int) else dim
+    if p == "fro" and (dims is None or len(dims) <= 2) or not isinstance(p, str):
+        return torch.linalg.vector_norm(x, 2 if p in ("fro", None) else p, dims, keepdim, dtype=dtype)
+    dims = tuple(range(x.ndim)) if dims is None else dims
+    return torch.linalg.matrix_norm(x, p, dims, keepdim, dtype=dtype)
+
+
+def _linalg_norm(func, args, kwargs, ctx):
+    """``torch.linalg.norm``: a vector norm over one dim (or all, without ``ord``), else a
+    matrix norm."""
+    _on_meta(func, args, kwargs)
+    x, ord, dim, keepdim, dtype = _arguments(args, kwargs, input=None, ord=None, dim=None, keepdim=False)
+    dims = tuple(range(x.ndim)) if dim is None and ord is not None else dim
+    dims = (dims,) if isinstance(dims, int) else dims
+    if ord is None or len(dims) == 1:
+        return torch.linalg.vector_norm(x, 2 if ord is None else ord, dims, keepdim, dtype=dtype)
+    return torch.linalg.matrix_norm(x, ord, dims, keepdim, dtype=dtype)
+
+
+def _vector_norm(func, args, kwargs, ctx):
+    """``torch.linalg.vector_norm`` as global reductions of ``|x|`` (sharded dims reduce to
+    Partial values): ``inf`` / ``-inf`` its largest / smallest element, 0 the count of
+    nonzeros, another ``ord`` the ``ord``-th root of the sum of its powers."""
+    out = _on_meta(func, args, kwargs)
+    x, ord, dim, keepdim, dtype = _arguments(args, kwargs, x=None, ord=2, dim=None, keepdim=False)
+    size = torch.abs(x if dtype is None else x.to(dtype))
+    over = dict(dim=tuple(range(x.ndim)) if dim is None else dim, keepdim=keepdim)
+    if ord in (math.inf, -math.inf):
+        return (torch.amax if ord > 0 else torch.amin)(size, **over)
+    if ord == 0:
+        return torch.sum(torch.ne(size, 0), **over).to(out.dtype)
+    if ord == 1:
+        return torch.sum(size, **over)
+    total = torch.sum(torch.square(size) if ord == 2 else torch.pow(size, ord), **over)
+    # the root of a zero total has no derivative: 0 there, as torch's subgradient at zero
+    nonzero = torch.gt(total, 0)
+    safe = torch.where(nonzero, total, 1.0)
+    return torch.where(nonzero, torch.sqrt(safe) if ord == 2 else torch.pow(safe, 1.0 / ord), 0.0)
+
+
+def _matrix_norm(func, args, kwargs, ctx):
+    """``torch.linalg.matrix_norm``: ``fro`` a vector norm of the matrices, ``1`` / ``inf`` (and
+    their negatives) the largest (smallest) sum of ``|x|`` down a column / along a row, as global
+    reductions; ``nuc``, ``2``, ``-2`` sums and extremes of singular values, which need whole
+    matrices: computed on the replicated value (:func:`_singular_norm`)."""
+    out = _on_meta(func, args, kwargs)
+    x, ord, dim, keepdim, dtype = _arguments(args, kwargs, A=None, ord="fro", dim=(-2, -1), keepdim=False)
+    x = x if dtype is None else x.to(dtype)
+    if ord == "fro":
+        return torch.linalg.vector_norm(x, 2, dim, keepdim)
+    if ord in ("nuc", 2, -2):
+        return dispatch(_singular_norm, (x, ord, tuple(d % x.ndim for d in dim), keepdim), {})
+    rows, cols = dim
+    summed, then = (cols, rows) if ord in (math.inf, -math.inf) else (rows, cols)
+    sums = torch.sum(torch.abs(x), dim=summed, keepdim=True)
+    return (torch.amax if ord > 0 else torch.amin)(sums, dim=then, keepdim=True).reshape(tuple(out.shape))
+
+
+def _singular_norm(x, ord, dim, keepdim):
+    """A matrix norm of singular values, over ``dim`` (two dims, counted from 0)."""
+    return torch.linalg.matrix_norm(x, ord, dim, keepdim)
+
+
+def _singular_norm_local(func, args, kwargs, ctx):
+    x, ord, dim, keepdim = args
+    ndim = len(ctx.decision.call.shapes[0])
+    return torch.linalg.matrix_norm(x, ord, tuple(d - ndim for d in dim), keepdim)  # from the end
 
 
 register([torch.norm, torch.Tensor.norm], Handler(None, _none, _norm, "norm"))
+register([torch.linalg.norm], Handler(None, _none, _linalg_norm, "linalg.norm"))
+register([torch.linalg.vector_norm], Handler(None, _none, _vector_norm, "linalg.vector_norm"))
+register([torch.linalg.matrix_norm], Handler(None, _none, _matrix_norm, "linalg.matrix_norm"))
+register([_singular_norm], Handler(rules.whole, _none, _singular_norm_local, "linalg.matrix_norm"))
 
 
 # --- ops along whole dims ----------------------------------------------------------------------
@@ -531,7 +697,7 @@ def _negative_dim_local(func, args, kwargs, ctx):
 
 
 for _name in ("softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp"):
-    register(_functions(_name), Handler(rules.along, _dim_param(1), _negative_dim_local, _name))
+    register(_functions(_name), Handler(rules.along, _dim_param(1, _name), _negative_dim_local, _name))
 
 
 def _trailing(count_of):
@@ -564,7 +730,8 @@ def _normalization(*names: str):
         if not ctx.lead:
             return func(**bound)
         x = bound.pop("input")
-        if x[0].numel() >= PER_DEVICE_KERNEL:
+        padded = ctx.decision.padded[0]
+        if x[0].numel() >= PER_DEVICE_KERNEL and not padded:
             per_device = {k: v.unbind(0) for k, v in bound.items() if isinstance(v, torch.Tensor)}
             return torch.stack(
                 [
@@ -575,6 +742,8 @@ def _normalization(*names: str):
         bound["input"] = x
         affine = [bound.pop(name, None) for name in ("weight", "bias")]
         out = func(**bound)
+        if padded:  # the padding's rows normalized (0 / sqrt(eps)) take no part in the weights' gradients
+            out = torch.where(_valid(ctx.decision.output, ctx.decision.out_shapes[0], out), out, 0.0)
         (weight, bias), _ = _align(affine, {}, ctx)
         if weight is not None and bias is not None:
             return torch.addcmul(bias, out, weight)
@@ -656,11 +825,13 @@ for _name in ("t", "transpose", "permute", "swapaxes", "swapdims"):
     register(_functions(_name), Handler(rules.permutation, _permutation_of(key), _permute_local, _name))
 
 
+@cached(1024)
 def _view_pairs_of(shape: tuple[int, ...], out: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
     """``(input dim, output dim, divisor)`` for every input dim a view may keep sharded: the
     shapes walked from the left in groups of dims with equal products; a dim kept as it is
-    (divisor 0), the first of dims merged into one, or one split into several with the shard on
-    the first part (divisor: that part's size, which the devices along the dim must divide)."""
+    (divisor 0), or the first dim of a group merged, split or both, whose shard goes to the
+    group's first output dim (divisor: the devices along the dim must divide both first dims,
+    so that their blocks are the same contiguous runs of the group's elements)."""
     if 0 in shape or 0 in out:
         return ()
     pairs = []
@@ -681,9 +852,10 @@ def _view_pairs_of(shape: tuple[int, ...], out: tuple[int, ...]) -> tuple[tuple[
             else:
                 outs.append(o)
                 size_out, o = size_out * out[o], o + 1
-        if len(ins) == 1 or len(outs) == 1:
-            divisor = 0 if len(ins) == len(outs) else shape[ins[0]] if len(outs) == 1 else out[outs[0]]
-            pairs.append((ins[0], outs[0], divisor))
+        # the first dims of a group split its elements in the same contiguous runs where the
+        # devices divide both (a dim kept as it is: always)
+        divisor = 0 if len(ins) == len(outs) == 1 else math.gcd(shape[ins[0]], out[outs[0]])
+        pairs.append((ins[0], outs[0], divisor))
 
 
 def _reshape_rule(call):
@@ -705,9 +877,17 @@ def _reshape_valid(call, mesh, combination) -> bool:
 
 
 def _reshape_local(func, args, kwargs, ctx):
-    storage = args[0]
-    local = shard_table(ctx.decision.output, ctx.decision.out_shapes[0]).padded_shape
-    return storage.reshape(*storage.shape[: ctx.lead], *local)
+    """The view of a block: the output's global shape, each sharded dim as long as the block's
+    part of its input dim, scaled by the view (a dim merged with whole ones after it, or split
+    with the shard on its first part). Read from the block, so that a rank's short or empty
+    block (unpadded on the distributed backend) views as a padded stacked one does."""
+    storage, block = args[0], args[0].shape[ctx.lead :]
+    (shape,), out = ctx.decision.call.shapes, ctx.decision.out_shapes[0]
+    local = list(out)
+    for in_dim, out_dim, _ in _view_pairs_of(shape, tuple(out)):
+        if ctx.decision.output.sharding_axes(out_dim):
+            local[out_dim] = block[in_dim] * out[out_dim] // shape[in_dim]
+    return storage.reshape((*storage.shape[: ctx.lead], *local))  # a tuple: () is a 0-d shape
 
 
 for _name in ("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
@@ -715,9 +895,15 @@ for _name in ("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze",
 
 
 def _expand_local(func, args, kwargs, ctx):
+    """The block expanded to the output's global shape, its sharded dims as long as the block's
+    (short or empty on a rank of an uneven dim)."""
     (storage,), _ = _align([args[0]], {}, ctx)
-    local = shard_table(ctx.decision.output, ctx.decision.out_shapes[0]).padded_shape
-    return storage.expand(*storage.shape[: ctx.lead], *local)
+    block, out = storage.shape[ctx.lead :], ctx.decision.out_shapes[0]
+    local = [
+        block[d - len(out) + len(block)] if ctx.decision.output.sharding_axes(d) else n
+        for d, n in enumerate(out)
+    ]
+    return storage.expand((*storage.shape[: ctx.lead], *local))
 
 
 register([torch.Tensor.expand], Handler(rules.elementwise, _none, _expand_local, "expand"))
@@ -739,7 +925,7 @@ def _check_index(index) -> tuple:
     return index
 
 
-def _getitem(self, index):
+def getitem(self, index):
     return dispatch(torch.Tensor.__getitem__, (self, _check_index(index)), {})
 
 
@@ -869,17 +1055,51 @@ def _into_block(indices, layout, shape: tuple[int, ...], dim: int, size: int, ct
     return local.clamp(0, max(size - 1, 0)), (local >= 0) & (local < length)
 
 
+def _embedding_params(args, kwargs, tensors):
+    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq")
+    bound = dict(zip(names, args)) | kwargs
+    if bound.get("scale_grad_by_freq"):
+        raise InputTypeError(
+            explain(
+                "F.embedding(scale_grad_by_freq)",
+                "the gradient of an fd.DTensor table is not scaled by the frequencies of its indices",
+                expected="scale_grad_by_freq=False",
+                got="scale_grad_by_freq=True",
+                fix="leave it out, or look up inside fd.local_map / fd.shard_map",
+            )
+        )
+    max_norm, padding = bound.get("max_norm"), bound.get("padding_idx")
+    padding = None if padding is None else padding % tensors[-1].shape[0]  # torch's range check on meta
+    return (None if max_norm is None else float(max_norm), float(bound.get("norm_type", 2.0)), padding)
+
+
 def _embedding_local(func, args, kwargs, ctx):
+    """``F.embedding``; with ``max_norm``, each row looked up whose ``norm_type``-norm exceeds it
+    scaled to it, as torch renormalizes them. torch does so in place on the weight, outside
+    autograd; a global value is never changed: the output is torch's, the weight stays as it
+    was, and the gradient is torch's (the lookup's, not the scaling's). The rows looked up at
+    ``padding_idx`` take no gradient, as in torch."""
     indices, table = args[0], args[1]
     layout = ctx.decision.inputs[1]
     total = ctx.decision.call.shapes[1][0]
     if math.prod(ctx.decision.call.shapes[0]):
         _check_indices(indices, total, "torch.embedding(input)", f"a table of {total} rows", ctx)
     if not layout.sharding_axes(0):
-        return F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
-    local, inside = _into_block(indices, layout, ctx.decision.call.shapes[1], 0, table.shape[-2], ctx)
-    picked = _stacked_embedding(local, table) if ctx.lead else F.embedding(local, table)
-    return picked * inside.unsqueeze(-1)
+        picked = F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
+    elif not ctx.lead and table.shape[0] == 0:  # a rank that holds none of the rows
+        picked = table.new_zeros(*indices.shape, table.shape[1])
+    else:
+        local, inside = _into_block(indices, layout, ctx.decision.call.shapes[1], 0, table.shape[-2], ctx)
+        picked = _stacked_embedding(local, table) if ctx.lead else F.embedding(local, table)
+        picked = picked * inside.unsqueeze(-1)
+    max_norm, norm_type, padding = ctx.decision.call.params
+    if padding is not None:
+        picked = torch.where((indices == padding).unsqueeze(-1), picked.detach(), picked)
+    if max_norm is None:
+        return picked
+    norms = torch.linalg.vector_norm(picked.detach(), norm_type, dim=-1, keepdim=True)
+    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)  # torch's embedding_renorm_
+    return picked.detach() * scale + (picked - picked.detach())  # the value scaled, the gradient not
 
 
 def _stacked_embedding(indices, table):
@@ -890,7 +1110,7 @@ def _stacked_embedding(indices, table):
     return picked.reshape(*indices.shape, table.shape[-1])
 
 
-register([F.embedding], Handler(rules.embedding, _none, _embedding_local, "embedding"))
+register([F.embedding], Handler(rules.embedding, _embedding_params, _embedding_local, "embedding"))
 
 
 def _gather_params(args, kwargs, tensors):
@@ -953,7 +1173,7 @@ def _like(factory):
     def composite(func, args, kwargs, ctx):
         x = args[0]
         dtype = kwargs.get("dtype") or x.dtype
-        layout = without_partial(x.layout)
+        layout = without_partial(x.sharding)
         if factory is full:
             return full(tuple(x.shape), args[1], mesh=x.device_mesh, placements=layout, dtype=dtype)
         return factory(tuple(x.shape), mesh=x.device_mesh, placements=layout, dtype=dtype)
@@ -984,34 +1204,7 @@ def _dropout(func, args, kwargs, ctx):
 register([F.dropout], Handler(None, _none, _dropout, "dropout"))
 
 
-# --- fd.DTensor's torch protocol, operators and methods ------------------------------------------
-
-
-def _torch_function(cls, func, types, args=(), kwargs=None):
-    return dispatch(func, args, kwargs)
-
-
-def _method(func):
-    found = resolved(func)
-
-    def method(self, *args, **kwargs):
-        return dispatch(func, (self, *args), kwargs, found)
-
-    method.__name__ = getattr(func, "__name__", "method")
-    method.__doc__ = f"``torch.Tensor.{method.__name__}`` on the global value (see Global operations)."
-    return method
-
-
-def _reflected(func):
-    def method(self, other):
-        return dispatch(func, (other, self), {})
-
-    return method
-
-
-def _backward(self, gradient=None, retain_graph=None, create_graph=False):
-    """Backpropagate from this value (its global value, as ``tensor.backward``)."""
-    self.full_tensor().backward(gradient, retain_graph=retain_graph, create_graph=create_graph)
+# --- autograd on global values ---------------------------------------------------------------
 
 
 def _autograd_grad(func, args, kwargs, ctx):
@@ -1047,7 +1240,7 @@ def _autograd_grad(func, args, kwargs, ctx):
     )
     grads = func(**arguments)
     out = tuple(
-        DTensor(g, without_partial(i.layout), i.shape) if type(i) is DTensor and g is not None else g
+        DTensor(g, without_partial(i.sharding), i.shape) if type(i) is DTensor and g is not None else g
         for g, i in zip(grads, inputs)
     )
     return out
@@ -1056,78 +1249,19 @@ def _autograd_grad(func, args, kwargs, ctx):
 register([torch.autograd.grad], Handler(None, _none, _autograd_grad, "autograd.grad"))
 
 
-def _item(self):
-    """The value of a one-element ``fd.DTensor``, as a Python number."""
-    return self.full_tensor().item()
-
-
-def install() -> None:
-    DTensor.__torch_function__ = classmethod(_torch_function)
-    operators = {
-        "__add__": torch.add, "__sub__": torch.sub, "__mul__": torch.mul, "__truediv__": torch.div,
-        "__pow__": torch.pow, "__matmul__": torch.matmul, "__eq__": torch.eq, "__ne__": torch.ne,
-        "__lt__": torch.lt, "__le__": torch.le, "__gt__": torch.gt, "__ge__": torch.ge,
-        "__and__": torch.logical_and, "__or__": torch.logical_or, "__mod__": torch.remainder,
-    }  # fmt: skip
-    for name, func in operators.items():
-        setattr(DTensor, name, lambda self, other, func=func: dispatch(func, (self, other), {}))
-    reflected = {
-        "__radd__": torch.add, "__rsub__": torch.sub, "__rmul__": torch.mul, "__rtruediv__": torch.div,
-        "__rpow__": torch.pow, "__rmatmul__": torch.matmul,
-    }  # fmt: skip
-    for name, func in reflected.items():
-        setattr(DTensor, name, _reflected(func))
-    DTensor.__neg__ = lambda self: dispatch(torch.neg, (self,), {})
-    DTensor.__abs__ = lambda self: dispatch(torch.abs, (self,), {})
-    DTensor.__getitem__ = _getitem
-    DTensor.__hash__ = object.__hash__  # a value keyed by identity, as torch.Tensor
-    DTensor.__bool__ = lambda self: bool(self.full_tensor())
-    names = (
-        "sum mean amax amin max min prod norm t transpose permute reshape view flatten unflatten squeeze "
-        "unsqueeze expand to float double half bfloat16 int long bool type_as "
-        "clone detach contiguous softmax log_softmax cumsum exp log sqrt rsqrt tanh sigmoid relu abs neg "
-        "pow clamp clip matmul mm bmm maximum minimum split chunk where eq ne lt le gt ge add sub mul div "
-        "gather square sin cos log1p allclose equal"
-    ).split()
-    for name in names:
-        setattr(DTensor, name, _method(getattr(torch.Tensor, name)))
-    DTensor.T = property(
-        lambda self: (
-            dispatch(torch.Tensor.t, (self,), {})
-            if self.ndim == 2
-            else dispatch(torch.Tensor.permute, (self, tuple(range(self.ndim))[::-1]), {})
-        )
-    )
-    DTensor.mT = property(lambda self: dispatch(torch.Tensor.transpose, (self, -2, -1), {}))
-    DTensor.numel = lambda self: math.prod(self.shape)
-    DTensor.dim = lambda self: len(self.shape)
-    DTensor.ndimension = DTensor.dim
-    DTensor.device = property(lambda self: storage_of(self).device)
-    DTensor.is_floating_point = lambda self: self.dtype.is_floating_point
-    DTensor.backward = _backward
-    DTensor.item = _item
-    DTensor.tolist = lambda self: self.full_tensor().tolist()
-    DTensor.from_local = staticmethod(from_local)  # torch DTensor's spelling
-    DTensor.__float__ = lambda self: float(self.full_tensor())
-    DTensor.__int__ = lambda self: int(self.full_tensor())
-
-
-install()
-
-
 # --- losses ------------------------------------------------------------------------------------
 
 
 def _whole(value: DTensor) -> DTensor:
     """``value`` with its Partial axes reduced."""
-    return value.redistribute(without_partial(value.layout)) if value.layout.has_partial else value
+    return value.redistribute(without_partial(value.sharding)) if value.sharding.has_partial else value
 
 
 def _check_targets(target: DTensor, classes: int, ignore_index: int) -> None:
     """Class indices are classes (or ignored), as torch's kernel checks: each rank checks its
     own (the padding of uneven ones holds 0, a class)."""
     held = storage_of(target)
-    if torch.compiler.is_compiling() or is_transformed(held) or target.layout.has_partial:
+    if torch.compiler.is_compiling() or is_transformed(held) or target.sharding.has_partial:
         return
     outside = (held != ignore_index) & ((held < 0) | (held >= classes))
     if bool(outside.any()):
@@ -1204,10 +1338,10 @@ def _cross_entropy(func, args, kwargs, ctx):
     # the target's logit; an ignored target (any value) reads class 0, multiplied by 0 after
     safe = torch.where(keep, target, 0)
     picked = torch.gather(logits, dim, safe.unsqueeze(dim)).squeeze(dim)
-    if picked.layout.has_partial and picked.layout != log_total.layout:
+    if picked.sharding.has_partial and picked.sharding != log_total.sharding:
         # the class dim sharded: the loss stays a Partial sum (the row totals as parts, with no
         # communication) until it is reduced
-        log_total = log_total.redistribute(picked.layout)
+        log_total = log_total.redistribute(picked.sharding)
     losses = torch.mul(torch.sub(log_total, picked), keep)
     reduction = bound.get("reduction", "mean")
     if reduction == "none":
@@ -1289,3 +1423,34 @@ def _einsum_local(func, args, kwargs, ctx):
 
 
 register([torch.einsum], Handler(_einsum_rule, _einsum_params, _einsum_local, "einsum"))
+
+
+# --- rules from torch's op metadata ------------------------------------------------------------
+
+#: pointwise ops that divide by their second operand (an integer divisor's padding set to one)
+_DIVIDING = frozenset(["floor_divide", "div", "divide", "true_divide", "remainder", "fmod"])
+
+
+#: elementwise ops torch does not tag (DTensor lists them by hand)
+_UNTAGGED = frozenset(["floor_divide"])
+
+
+def _pointwise(func) -> Handler | None:
+    """The elementwise rule for a torch function whose aten op (of the same name) torch tags
+    ``pointwise`` (as DTensor's ``pointwise_ops`` lists them)."""
+    name = getattr(func, "__name__", None)
+    packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or name.endswith("_"):
+        return None
+    overloads = [getattr(packet, o) for o in packet.overloads()]
+    if name not in _UNTAGGED and not any(torch.Tag.pointwise in o.tags for o in overloads):
+        return None
+    if any(len(o._schema.returns) != 1 for o in overloads if not o._overloadname.endswith("out")):
+        return None  # several outputs (frexp): not the one output the elementwise form returns
+    if any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads):
+        return None
+    local = _divisor_local if name in _DIVIDING else _elementwise_local
+    return Handler(rules.elementwise, _none, local, name, False)
+
+
+GENERIC.append(_pointwise)

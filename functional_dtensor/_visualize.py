@@ -166,10 +166,10 @@ def sharding_picture(
                     "a value has its own shape",
                     expected="shape=None with an fd.DTensor",
                     got=repr(shape),
-                    fix="leave shape out, or pass x.layout with the shape you want drawn",
+                    fix="leave shape out, or pass x.sharding with the shape you want drawn",
                 )
             )
-        layout, shape, dtype = x.layout, tuple(x.shape), dtype or x.dtype
+        layout, shape, dtype = x.sharding, tuple(x.shape), dtype or x.dtype
     elif isinstance(x, Layout):
         if shape is None:
             raise InputTypeError(
@@ -546,9 +546,9 @@ def _layout_html(self: Layout) -> str:
 
 def _dtensor_html(self: DTensor) -> str:
     head = html.escape(
-        f"DTensor shape {tuple(self.shape)}, {self.dtype}, layout {self.layout} on {self.device_mesh}"
+        f"DTensor shape {tuple(self.shape)}, {self.dtype}, layout {self.sharding} on {self.device_mesh}"
     )
-    picture = ShardingPicture(self.layout.normalized(self.ndim), tuple(self.shape), self.dtype)
+    picture = ShardingPicture(self.sharding.normalized(self.ndim), tuple(self.shape), self.dtype)
     return f"<div><b>{head}</b></div>" + _html(picture.renderable())
 
 

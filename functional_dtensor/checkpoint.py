@@ -171,7 +171,7 @@ def _check_leaf(leaf: _Leaf, api: str) -> None:
 def _own_devices(x: DTensor) -> tuple[int, ...] | None:
     """The devices whose shards this process holds: None for every device of the mesh (the
     simulated backend), else this rank's."""
-    _, device = backend_of(x.device_mesh).saved(storage_of(x), x.layout)
+    _, device = backend_of(x.device_mesh).saved(storage_of(x), x.sharding)
     return None if device is None else (device,)
 
 
@@ -255,8 +255,8 @@ class _Chunks:
 def _blocks_of(x: DTensor) -> _Chunks:
     """The distinct shards of ``x`` this process holds, by global offset (a Partial value is
     reduced first: a checkpoint holds global values)."""
-    layout = without_partial(x.layout)
-    if layout != x.layout:
+    layout = without_partial(x.sharding)
+    if layout != x.sharding:
         x = x.redistribute(layout)
     shape = tuple(x.shape)
     table = shard_table(layout, shape)
@@ -273,7 +273,7 @@ class _Buffers:
 
     def __init__(self, like: DTensor) -> None:
         self.like = like
-        self.layout = without_partial(like.layout)
+        self.layout = without_partial(like.sharding)
         mesh, shape = self.layout.mesh, tuple(like.shape)
         table = shard_table(self.layout, shape)
         self.devices = _own_devices(like)
@@ -291,16 +291,16 @@ class _Buffers:
         blocks, like = self.chunks.blocks, self.like
         devices = self.devices or range(self.layout.mesh.size)
         shards = [blocks[self.offsets[d]] for d in devices]
-        if like.layout.has_partial:
-            shards = [_part(shard, like.layout, d) for shard, d in zip(shards, devices)]
+        if like.sharding.has_partial:
+            shards = [_part(shard, like.sharding, d) for shard, d in zip(shards, devices)]
         elif self.devices is None and len(blocks) == 1:  # replicated: held once
             shards = shards[:1]
         local = shards if len(shards) > 1 else shards[0]
-        value = from_local(local, self.layout.mesh, like.layout, shape=tuple(like.shape), copy=False)
+        value = from_local(local, self.layout.mesh, like.sharding, shape=tuple(like.shape), copy=False)
         if not like.requires_grad:
             return value
         # a leaf needing a gradient where the like leaf does (a model's parameters)
-        return new_value(storage_of(value).detach().requires_grad_(), value.layout, value.shape)
+        return new_value(storage_of(value).detach().requires_grad_(), value.sharding, value.shape)
 
 
 def _part(block: torch.Tensor, layout: Layout, device: int) -> torch.Tensor:
@@ -800,7 +800,7 @@ def load_full(path: str | os.PathLike, /, like=None):
     for leaf in leaves:
         value = full[leaf.key]
         if leaf.kind == "dtensor":
-            value = distribute_tensor(value, leaf.value.device_mesh, leaf.value.layout)
+            value = distribute_tensor(value, leaf.value.device_mesh, leaf.value.sharding)
         elif leaf.kind == "tensor" and not leaf.value.is_meta:
             value = value.to(leaf.value.device)
         values.append(value)

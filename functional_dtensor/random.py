@@ -548,11 +548,11 @@ def dropout(key: torch.Tensor, x, p: float = 0.5):
         )
     if isinstance(x, DTensor):
         keep = _sharded(
-            _Draw("bernoulli", torch.bool, 1.0 - p), key, tuple(x.shape), without_partial(x.layout)
+            _Draw("bernoulli", torch.bool, 1.0 - p), key, tuple(x.shape), without_partial(x.sharding)
         )
         mask = storage_of(keep)
         scaled = storage_of(x) * mask * (1.0 / (1.0 - p)) if p < 1.0 else storage_of(x) * mask
-        return DTensor(scaled, x.layout, x.shape)
+        return DTensor(scaled, x.sharding, x.shape)
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(
             explain(

@@ -37,8 +37,10 @@ FLOORS = {
         "_shard_map",
         "_redistribute",
         "_local_map",
+        "_fallback",
         "_global_ops",
         "_torch_ops",
+        "_surface",
         "_parallelize",
         "_optim",
         "_ring_attention",
@@ -230,3 +232,94 @@ def test_no_module_reads_another_modules_private_names():
                 raise AssertionError(
                     f"{module}:{node.lineno} reads another module's private name .{node.attr}"
                 )
+
+
+#: module-level tables that grow as a program runs, each bounded by something other than the
+#: program's inputs (reviewed: a new one is a cache, and goes through ``_cache``)
+REGISTRIES = {
+    "_cache._caches": "one per function decorated with cached",
+    "_cache._tables": "one per Bounded table",
+    "_global_ops._HANDLERS": "one handler per torch function with a rule (torch's and users' ops)",
+    "_global_ops._FUNCS": "the same functions, by number",
+    "_global_ops._FUNC_IDS": "the same functions, by number",
+    "_global_ops.GENERIC": "the metadata rules, appended at import",
+    "_distributed.kernels._OPTIONS": "one entry per reduce op",
+    "_distributed.engine._calls": "the shard_map calls in progress (a stack, popped on return)",
+    "_distributed.runtime._timeout": "one entry, read once",
+    "_distributed.runtime._groups": "one process group per mesh and axes the program builds (as torch's)",
+    "_distributed.runtime._torch_meshes": "one torch DeviceMesh per mesh the program builds (as torch's)",
+    "_interop._simulated_torch_meshes": "one fake world per simulated mesh converted to torch's",
+    "_varied.TABLE": "the values of one data-parallel forward, cleared when it ends",
+    "_varied.PVARIED": "the values of one data-parallel forward, cleared when it ends",
+}
+
+
+def _module_tables(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level to an empty dict, list or set."""
+    names = set()
+    for node in tree.body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        empty = (
+            isinstance(value, (ast.Dict, ast.List, ast.Set))
+            and not getattr(value, "keys", getattr(value, "elts", None))
+        ) or (isinstance(value, ast.Call) and getattr(value.func, "id", None) in ("dict", "list", "set"))
+        if empty:
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _grown_in_functions(tree: ast.Module, names: set[str]) -> set[str]:
+    """Those of ``names`` that a function stores into (``t[k] = v``, ``t.append``, ...)."""
+    grown = set()
+    for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        for node in ast.walk(function):
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+                target = node.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                target = (
+                    node.func.value if node.func.attr in ("append", "add", "setdefault", "update") else None
+                )
+            else:
+                continue
+            if isinstance(target, ast.Name) and target.id in names:
+                grown.add(target.id)
+    return grown
+
+
+def test_every_cache_is_bounded():
+    """A table that grows with what a program does (a decision per call's shapes, a plan per
+    layout pair) is a ``_cache.cached`` function or a ``_cache.Bounded`` table: a server
+    feeding varied sequence lengths must not grow without bound."""
+    grown = [
+        f"{module}.{name}"
+        for module, tree in MODULES.items()
+        for name in sorted(_grown_in_functions(tree, _module_tables(tree)))
+    ]
+    unbounded = [name for name in grown if name not in REGISTRIES]
+    assert not unbounded, (
+        f"module-level tables that grow in a function: {unbounded}: make each a _cache.Bounded "
+        "table or a _cache.cached function (or, if it is bounded by the program's code rather than "
+        "its inputs, add it to REGISTRIES with the reason)"
+    )
+
+
+#: modules over the size limit, to be split (the list only shrinks)
+OVERSIZED = {"_torch_ops", "_global_ops", "checkpoint", "_parallelize", "_dtensor", "random"}
+MAX_LINES = 600
+
+
+def test_no_module_grows_past_the_size_limit():
+    sizes = {
+        m: len((PACKAGE / (m.replace(".", "/") + ".py")).read_text("utf-8").splitlines())
+        for m in MODULES
+        if (PACKAGE / (m.replace(".", "/") + ".py")).exists()
+    }
+    over = {m for m, n in sizes.items() if n > MAX_LINES}
+    assert over <= OVERSIZED, f"over {MAX_LINES} lines: {sorted(over - OVERSIZED)}; split them by job"
+    assert OVERSIZED <= over, (
+        f"now within {MAX_LINES} lines: remove {sorted(OVERSIZED - over)} from OVERSIZED"
+    )

@@ -67,13 +67,13 @@ def mlp_step(check_rep: bool):
 
 def test_tracked_transposes_need_no_defensive_all_reduce():
     forward, backward, grads = mlp_step(check_rep=True)
-    assert forward.get_comm_counts() == {"all_reduce": 1}
+    assert forward.get_comm_counts() == {"all_reduce": 1, "all_gather": 1}  # the psum; full_tensor's gather
     # psum transposes to a broadcast. The three backward all-reduces are the ones a gradient
     # needs: x's over "y" (replicated rows met column blocks), w1's and w2's over "x"
     # (replicated weights met row blocks), each the transpose of an inserted pvary.
     assert backward.get_comm_counts() == {"all_reduce": 3}
     f2, b2, grads_unchecked = mlp_step(check_rep=False)
-    assert f2.get_comm_counts() == {"all_reduce": 1}
+    assert f2.get_comm_counts() == {"all_reduce": 1, "all_gather": 1}
     assert b2.get_comm_counts() == {"all_reduce": 4}  # plus the defensive psum of psum's cotangent
     for a, b in zip(grads, grads_unchecked, strict=True):
         assert_close(a, b)

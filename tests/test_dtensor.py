@@ -73,7 +73,7 @@ def test_distribute_then_full_tensor_is_the_identity(case):
     before = tensor.clone()
     x = fd.distribute_tensor(tensor, mesh, layout)
     assert x.shape == torch.Size(shape) and x.dtype == dtype and x.ndim == len(shape)
-    assert x.layout == layout and x.placements == layout.placements and x.device_mesh == mesh
+    assert x.sharding == layout and x.placements == layout.placements and x.device_mesh == mesh
     inexact = dtype.is_floating_point and any(
         p == fd.Partial("sum") or p == fd.Partial("avg") for p in layout.placements
     )
@@ -129,7 +129,7 @@ def test_distribute_examples():
     z = fd.distribute_tensor(torch.ones(3, 4), mesh, [fd.Shard(-1)])  # negative dims are normalized
     assert z.placements == (fd.Shard(1),) and z.to_local(device=0).shape == (3, 1)
     assert len(z) == 3 and z.size() == (3, 4) and z.size(1) == 4
-    assert "DTensor(shape=(3, 4), dtype=torch.float32, layout=S(1)" in repr(z)
+    assert "DTensor(shape=(3, 4), dtype=torch.float32, sharding=S(1)" in repr(z)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,13 +143,13 @@ def test_from_local_list_of_shards_round_trips(case, run_check):
     x = fd.distribute_tensor(tensor, mesh, layout)
     shards = [s.clone() for s in x.local_shards()]
     y = fd.from_local(shards, mesh, layout, shape=shape, run_check=run_check)
-    assert y.shape == x.shape and y.layout == layout and y.dtype == dtype
+    assert y.shape == x.shape and y.sharding == layout and y.dtype == dtype
     for a, b in zip(y.local_shards(), shards, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(y.full_tensor(), x.full_tensor())
     # a spec works as well as placements where there is one
     if not layout.has_partial:
-        assert fd.from_local(shards, mesh, layout.spec, shape=shape).layout == layout
+        assert fd.from_local(shards, mesh, layout.spec, shape=shape).sharding == layout
     if case.table.is_even:  # the even split is the default global shape
         assert fd.from_local(shards, mesh, layout).shape == torch.Size(shape)
 
@@ -245,7 +245,7 @@ def test_factories_shapes_dtypes_and_values(name, case):
     else:
         x = getattr(fd, name)(shape, mesh=mesh, placements=layout, dtype=dtype)
     assert isinstance(x, fd.DTensor)
-    assert x.shape == torch.Size(shape) and x.dtype == dtype and x.layout == layout
+    assert x.shape == torch.Size(shape) and x.dtype == dtype and x.sharding == layout
     shards = x.local_shards()
     for k, s in enumerate(shards):
         assert tuple(s.shape) == case.table.local_shapes[k] and s.dtype == dtype
@@ -267,7 +267,7 @@ def test_factories_default_dtype_and_size_forms():
     b = fd.zeros((5, 4), mesh=mesh, placements=[fd.Shard(0), fd.Shard(1)])
     c = fd.zeros(torch.Size([5, 4]), mesh=mesh, placements=fd.P("x", "y"))
     assert a.shape == b.shape == c.shape == (5, 4) and a.dtype == torch.get_default_dtype()
-    assert a.layout == b.layout == c.layout
+    assert a.sharding == b.sharding == c.sharding
     assert [tuple(s.shape) for s in a.local_shards()] == [(3, 2), (3, 2), (2, 2), (2, 2)]
     assert fd.ones(3, mesh=mesh, placements=fd.P(), requires_grad=True).requires_grad
     assert not fd.ones(3, mesh=mesh, placements=fd.P()).requires_grad
@@ -372,7 +372,7 @@ def job_round_trip(mesh, items) -> list[dict]:
         out.append(
             {
                 "shape": tuple(d.shape),
-                "layout": (d.placements, d.layout.shard_order),
+                "layout": (d.placements, d.sharding.shard_order),
                 "shards": shards,
                 "full": full.detach(),
                 "grad": grad,

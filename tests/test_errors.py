@@ -23,6 +23,11 @@ def _distributed(placements, shape=(4, 4), mesh=MESH):
     return fd.distribute_tensor(torch.zeros(shape), mesh, placements)
 
 
+def _strictly(op, *args):
+    with fd.strict_ops():
+        return op(*args)
+
+
 # (id, call, library error, builtin, text the message must contain: the argument, the values)
 # fmt: off
 CASES = [
@@ -120,7 +125,9 @@ CASES = [
     ("shard-map-scalar-sharded", lambda: fd.shard_map(lambda v: v, mesh=MESH_1D, in_specs=fd.P("x"), out_specs=fd.P())(2.0), fd.InputTypeError, TypeError, ["fd.shard_map(args[0])", "P('x')", "float"]),
     # --- global operations
     ("global-op-mixed-tensor", lambda: _distributed(fd.P("x")) + torch.ones(4, 4), fd.InputTypeError, TypeError, ["torch.Tensor", "fd.distribute_tensor"]),
-    ("global-op-no-rule", lambda: torch.fft.fft(_distributed(fd.P("x"))), fd.FunctionalDTensorError, Exception, ["fft", "fd.local_map", "fd.register_sharding"]),
+    ("global-op-no-rule-strict", lambda: _strictly(torch.fft.fft, _distributed(fd.P("x"))), fd.FunctionalDTensorError, Exception, ["fft", "strict", "fd.local_map", "fd.register_sharding"]),
+    ("global-op-draws-random", lambda: torch.bernoulli(_distributed(fd.P("x"))), fd.FunctionalDTensorError, Exception, ["bernoulli", "global generator", "fd.random.bernoulli"]),
+    ("tensor-attribute-not-global", lambda: _distributed(fd.P("x")).stride(), fd.UnsupportedAttributeError, AttributeError, ["stride", "to_local"]),
     ("global-op-shapes", lambda: _distributed(fd.P("x")) @ _distributed(fd.P(), shape=(3, 4)), fd.ShapeError, ValueError, ["matmul", "(4, 4)", "(3, 4)"]),
     ("global-op-two-meshes", lambda: _distributed(fd.P("x")) + _distributed(fd.P("x"), mesh=MESH_1D), fd.MeshError, ValueError, ["mesh"]),
     ("cross-entropy-target-outside", lambda: F.cross_entropy(_distributed(fd.P(None, "x")), fd.distribute_tensor(torch.tensor([0, 1, 2, 4]), MESH, fd.P())), fd.InputTypeError, TypeError, ["cross_entropy(target)", "[0, 4)", "[4]"]),
@@ -215,7 +222,7 @@ def test_every_error_class_is_also_a_builtin():
 def test_negative_shard_dims_are_normalized():
     x = fd.distribute_tensor(T, MESH, [fd.Shard(-1), fd.Shard(-2)])
     assert x.placements == (fd.Shard(1), fd.Shard(0))
-    assert x.layout == fd.Layout(MESH, (fd.Shard(1), fd.Shard(0)))
+    assert x.sharding == fd.Layout(MESH, (fd.Shard(1), fd.Shard(0)))
     assert torch.equal(x.full_tensor(), T)
     y = fd.from_local([s for s in x.local_shards()], MESH, [fd.Shard(-1), fd.Shard(0)], shape=(3, 4))
     assert y.placements == x.placements and torch.equal(y.full_tensor(), T)
@@ -227,7 +234,7 @@ def test_single_placement_and_lists_are_accepted():
     b = fd.distribute_tensor(T, MESH_1D, [fd.Shard(0)])
     c = fd.distribute_tensor(T, MESH_1D, fd.P("x"))
     d = fd.distribute_tensor(T, MESH_1D, fd.Layout(MESH_1D, (fd.Shard(0),)))
-    assert a.layout == b.layout == c.layout == d.layout
+    assert a.sharding == b.sharding == c.sharding == d.sharding
 
 
 def test_error_messages_read_in_one_form():

@@ -205,7 +205,7 @@ def test_fuzz_redistribute(mesh, shape, dtype, form, seed, data):
         return
     d, y = outcome.value
     n = mesh.size
-    assert y.layout == target, f"{y.layout} vs {target}"
+    assert y.sharding == target, f"{y.sharding} vs {target}"
     assert_matches(d, want, f"distribute {source}", scale=n)
     assert_matches(y, want, f"{source} -> {target}", scale=n)
     table = fd.testing.strategies.ShardedCase(mesh, target, tuple(shape), dtype).table
@@ -672,7 +672,7 @@ def test_fuzz_shard_map_specs(case, spec_case, seed):
     if got.error is not None:  # only where a dim does not divide over its axes
         assert not shard_table(fd.Layout.from_spec(case.mesh, spec), case.global_shape).is_even, got.error
         return
-    assert got.value.layout == fd.Layout.from_spec(case.mesh, spec).normalized(x.dim())
+    assert got.value.sharding == fd.Layout.from_spec(case.mesh, spec).normalized(x.dim())
     assert_matches(got.value, f(x), f"shard_map with {spec} on {case.mesh.shape}", scale=4)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import per_device
-from common import assert_close, check, op_catalogue
+from common import assert_close, check, in_float64, op_catalogue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,7 +100,7 @@ def test_partial_values_stay_partial_where_the_op_is_linear():
     assert p.placements == (fd.Partial("sum"), R)
     assert (p * 2).placements == p.placements and (p + p).placements == p.placements
     assert (-p).placements == p.placements
-    assert not torch.exp(p).layout.has_partial  # not linear: the partial sums are reduced first (scattered)
+    assert not torch.exp(p).sharding.has_partial  # not linear: the partial sums are reduced first (scattered)
     close(torch.exp(p).full_tensor(), torch.exp(values((4, 6), 1) @ values((6, 4), 2)))
 
 
@@ -425,14 +425,16 @@ def test_errors_of_mixed_and_unsupported_inputs():
         "plain torch.Tensor",
         "fd.P()",
     )
-    check(
-        fd.FunctionalDTensorError,
-        Exception,
-        lambda: torch.fft.fft(d),
-        "fft",
-        "fd.local_map",
-        "fd.register_sharding",
-    )
+    with fd.strict_ops():
+        check(
+            fd.FunctionalDTensorError,
+            Exception,
+            lambda: torch.fft.fft(d),
+            "fft",
+            "strict",
+            "fd.local_map",
+            "fd.register_sharding",
+        )
     other = fd.distribute_tensor(torch.ones(4, 4), fd.simulated_mesh(2, "y"), fd.P())
     check(fd.MeshError, ValueError, lambda: d + other, "one mesh")
     check(
@@ -753,7 +755,7 @@ def test_a_constant_does_not_pass_through_partial_sums(program):
     x = values((3, 4), 1)
     p = fd.distribute_tensor(x, mesh, [fd.Partial("sum"), S(1)])
     out = program(p)
-    assert not out.layout.has_partial
+    assert not out.sharding.has_partial
     close(out.full_tensor(), program(x))
     for linear in (lambda v: v * 2, lambda v: v / 2, lambda v: v + v, lambda v: torch.add(v, v, alpha=2)):
         assert linear(p).placements == p.placements
@@ -977,7 +979,7 @@ def test_a_linear_weights_gradient_is_row_major_on_stacked_devices():
     two_orders(lambda v, weight: F.linear(v, weight).square(), [x, w], layouts)
     weight = fd.distribute_tensor(w.clone().requires_grad_(), mesh, layouts[1])
     (grad,) = torch.autograd.grad(F.linear(fd.distribute_tensor(x, mesh, layouts[0]), weight).sum(), [weight])
-    assert grad.local_shards()[0].is_contiguous() and grad.layout == weight.layout
+    assert grad.local_shards()[0].is_contiguous() and grad.sharding == weight.sharding
 
 
 def test_a_matmul_torch_refuses_is_refused_with_a_contraction_of_one():
@@ -1015,3 +1017,32 @@ def test_a_broadcast_operand_takes_no_gradient_from_padding(op):
     layouts = [fd.Layout.from_spec(mesh, fd.P()), fd.Layout.from_spec(mesh, fd.P("x"))]
     two_orders(op, [c, y], layouts)
     two_orders(lambda a, b: op(a, b.unsqueeze(0)).sum(0), [values((4, 1), 3), y], [layouts[1], layouts[0]])
+
+
+@torch.library.custom_op("fd_tests::softmax_rows", mutates_args=())
+def _softmax_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.softmax(x, dim)
+
+
+@_softmax_rows.register_fake
+def _(x, dim):
+    return torch.empty_like(x)
+
+
+@fd.register_sharding(_softmax_rows)
+def _softmax_rows_sharding(x, dim):
+    """torch's own strategy style (its docs' example): ``x.ndim``, a list of output placements."""
+    softmax_dim = dim if dim >= 0 else dim + x.ndim
+    acceptable = [([fd.Replicate()], [fd.Replicate(), None])]
+    for sharding_dim in range(x.ndim):
+        if sharding_dim != softmax_dim:
+            acceptable.append(([fd.Shard(sharding_dim)], [fd.Shard(sharding_dim), None]))
+    return acceptable
+
+
+def test_register_sharding_takes_torchs_strategy_style():
+    mesh = fd.simulated_mesh(4, "x")
+    t = torch.randn(8, 6)
+    y = _softmax_rows(fd.distribute_tensor(t, mesh, fd.P("x")), -1)
+    assert y.placements == (fd.Shard(0),)
+    assert_close(y.full_tensor(), torch.softmax(in_float64(t), -1), torch.softmax(t, -1))

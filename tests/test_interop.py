@@ -226,13 +226,13 @@ def job_round_trip(mesh, items) -> list[dict]:
             tt = fd.to_torch(x)
             y = fd.from_torch(tt)
             with torch_ops(mesh):
-                full = plain(tt.full_tensor()) if torch_gathers(x.layout, shape) else None
+                full = plain(tt.full_tensor()) if torch_gathers(x.sharding, shape) else None
             out.append(
                 {
-                    "layout": y.layout == x.layout and y.device_mesh == mesh,
+                    "layout": y.sharding == x.sharding and y.device_mesh == mesh,
                     "shape": (tuple(tt.shape), tuple(y.shape)),
                     "mesh": tt.device_mesh is torch_mesh,
-                    "placements": tuple(tt.placements) == torch_placements(x.layout),
+                    "placements": tuple(tt.placements) == torch_placements(x.sharding),
                     "shards": all(torch.equal(a, b) for a, b in zip(x.local_shards(), y.local_shards())),
                     "torch_shards": all(
                         torch.equal(a, b) for a, b in zip(x.local_shards(), torch_locals(tt), strict=True)
@@ -324,7 +324,7 @@ def job_strided_blocks(mesh) -> dict:
             "placements": [str(p) for p in tt.placements],
             "torch": [b.clone() for b in torch_blocks],
             "fd": [s.clone() for s in x.local_shards()],
-            "back": fd.from_torch(tt).layout == x.layout,
+            "back": fd.from_torch(tt).sharding == x.sharding,
         }
 
 
@@ -514,7 +514,7 @@ def job_gradients(mesh) -> dict:
             tt = fd.to_torch(x)
             with torch_ops(mesh):
                 (tt.full_tensor() ** 2).sum().backward()
-                leaf = torch_distribute(value_of((8, 4), 4), fd.to_torch(mesh), torch_placements(x.layout))
+                leaf = torch_distribute(value_of((8, 4), 4), fd.to_torch(mesh), torch_placements(x.sharding))
                 leaf.requires_grad_()
             y = fd.from_torch(leaf)
             (y.full_tensor() ** 3).sum().backward()

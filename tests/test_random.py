@@ -197,7 +197,7 @@ def test_a_sharded_draw_holds_the_unsharded_values_for_every_layout(path, case, 
     key = fd.random.key(seed)
     expected = draw_with(kind, dtype, key, shape)
     value = draw_with(kind, dtype, key, shape, mesh=layout.mesh, placements=layout)
-    assert value.layout == layout and tuple(value.shape) == shape
+    assert value.sharding == layout and tuple(value.shape) == shape
     assert_identical(value.full_tensor(), expected)
 
 
@@ -402,7 +402,7 @@ def test_global_dropout_is_layout_invariant_and_differentiable():
         leaf = value.clone().requires_grad_()
         x = fd.distribute_tensor(leaf, mesh, placements)
         y = fd.random.dropout(KEY, x, 0.4)
-        assert y.layout == x.layout
+        assert y.sharding == x.sharding
         assert_close(y.full_tensor(), expected)
         y.full_tensor().sum().backward()
         assert_close(leaf.grad, (expected != 0).double() / 0.6)

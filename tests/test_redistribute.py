@@ -75,7 +75,7 @@ def job_redistribute(mesh, items) -> list[dict]:
             (grad,) = torch.autograd.grad(full, x, torch.ones_like(full) * 2 - value)
         out.append(
             {
-                "layout": (moved.placements, moved.layout.shard_order),
+                "layout": (moved.placements, moved.sharding.shard_order),
                 "dtype": moved.dtype,
                 "shards": [s.detach() for s in moved.local_shards()],
                 "full": full.detach(),
@@ -397,7 +397,7 @@ def test_same_global_value_and_the_target_blocks(pair):
     t = torch.randn(case.global_shape, dtype=torch.float64)
     x = fd.distribute_tensor(t, case.mesh, case.layout)
     y = fd.redistribute(x, target)
-    assert y.layout == target and y.shape == x.shape
+    assert y.sharding == target and y.shape == x.shape
     assert_close(y.full_tensor(), t)
     mesh = case.mesh
     blocks = reduce_partial(y.local_shards(), mesh.shape, target.placements)
@@ -472,9 +472,9 @@ def test_method_spec_and_identity():
     mesh = fd.simulated_mesh((2, 2), ("x", "y"))
     x = fd.distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, fd.P("x", "y"))
     assert x.redistribute(fd.P("x", "y")) is x
-    assert x.redistribute([fd.Replicate(), fd.Shard(0)]).layout == fd.Layout.from_spec(mesh, fd.P("y"))
+    assert x.redistribute([fd.Replicate(), fd.Shard(0)]).sharding == fd.Layout.from_spec(mesh, fd.P("y"))
     swapped = x.redistribute(fd.P(("y", "x")))
-    assert str(swapped.layout) == "S(0)[1]S(0)[0]" and swapped.redistribute(fd.P(("y", "x"))) is swapped
+    assert str(swapped.sharding) == "S(0)[1]S(0)[0]" and swapped.redistribute(fd.P(("y", "x"))) is swapped
 
 
 def test_partial_source_gets_a_replicate_gradient():

@@ -43,7 +43,7 @@ def job_identity(mesh, x, pairs) -> list[dict]:
             {
                 "shards": y.local_shards(),
                 "full": y.full_tensor(),
-                "layout": (y.placements, y.layout.shard_order),
+                "layout": (y.placements, y.sharding.shard_order),
             }
         )
     return out
@@ -353,7 +353,7 @@ def test_any_spec_of_any_mesh_maps_and_returns_the_value(data):
     case = data.draw(fds.sharded_cases(mesh=fds.meshes(max_devices=12), even=True, max_elements=256))
     x = torch.arange(math.prod(case.global_shape)).reshape(case.global_shape)
     y = fd.shard_map(lambda v: v + 0, mesh=case.mesh, in_specs=case.spec, out_specs=case.spec)(x)
-    assert torch.equal(y.full_tensor(), x) and y.layout == case.layout
+    assert torch.equal(y.full_tensor(), x) and y.sharding == case.layout
 
 
 def _scaled(v, scale, shift):

@@ -157,7 +157,7 @@ def test_drawn_plans_equal_one_device(case):
     got = {"y": out.full_tensor(), "grads": {name: g.full_tensor() for name, g in grads.items()}}
     assert_close(got, one_device(*in_float64((model, x))), one_device(model, x))
     for name, g in grads.items():
-        assert g.layout == sharded.params[name].layout
+        assert g.sharding == sharded.params[name].sharding
 
 
 def test_styles_lay_out_parameters_as_dtensor():
@@ -288,7 +288,7 @@ def test_optimizer_steps_equal_torch(make, options, spec):
         params = opt.step(params, {"w": g})
         assert not torch.equal(old, params["w"].full_tensor())
     assert_close(params["w"].full_tensor(), w.detach())
-    assert params["w"].layout.placements == fd.Layout.from_spec(mesh, spec).placements
+    assert params["w"].sharding.placements == fd.Layout.from_spec(mesh, spec).placements
     state = opt.state_dict()["state"]["['w']"]
     for key, v in state.items():
         if isinstance(v, fd.DTensor):
@@ -495,7 +495,9 @@ def test_data_parallel_gradients_are_reduced_once(style):
     assert_close(got, one_device(*in_float64((model, x))), one_device(model, x))
     backward = {op: n - forward.get(op, 0) for op, n in comm.get_comm_counts().items()}
     if style == "replicate":  # every parameter's dp sum in one all-reduce
-        dp_reductions = [e for e in comm.events if e.op == "all_reduce" and e.axes == ("dp",)]
+        dp_reductions = [  # (the forward's: the loss's partial sums, read as its global value)
+            e for e in comm.events if e.op == "all_reduce" and e.axes == ("dp",) and e.phase == "backward"
+        ]
         assert len(dp_reductions) == 1, comm.events
     else:  # the gathered parameters' gradients reduce-scattered into their shards together
         assert backward.get("reduce_scatter", 0) == 1, backward  # weight and bias (the scale is 0-d)

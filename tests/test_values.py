@@ -48,7 +48,8 @@ def job_distribute_then_modify_the_source(mesh, shape, specs) -> list[dict]:
     for spec in specs:
         tensor = original(shape)
         x = fd.distribute_tensor(tensor, mesh, spec)
-        shared = fd.distribute_tensor(tensor, mesh, spec, copy=False)
+        # every rank's own tensor (src_data_rank=None): received data could not share its memory
+        shared = fd.distribute_tensor(tensor, mesh, spec, copy=False, src_data_rank=None)
         aliased = any(shares_memory(s, tensor) for s in shared.local_shards())
         tensor.mul_(-7).add_(3)
         out.append({"shards": list(x.local_shards()), "full": x.full_tensor(), "aliased": aliased})
@@ -286,7 +287,7 @@ def job_round_trip_values(mesh, way: str) -> list[dict]:
     for k, (shape, placements, dtype) in enumerate(VALUES):
         tensor = original(shape, dtype)
         x = fd.distribute_tensor(tensor.requires_grad_(k == 0), mesh, placements)  # k == 0: in a graph
-        records = {"mesh": mesh, "layout": x.layout, "placements": x.placements, "spec": fd.P("x", None)}
+        records = {"mesh": mesh, "layout": x.sharding, "placements": x.placements, "spec": fd.P("x", None)}
         loaded = _through(way, {"value": x, **records})
         y = loaded["value"]
         out.append(

@@ -34,6 +34,7 @@ __all__ = [
     "slice_blocks",
     "partition",
     "reduce_broadcast",
+    "broadcast",
 ]
 
 #: the library's name of an all-reduce of each op, as errors and the collective checks say it
@@ -219,6 +220,20 @@ def all_to_all(
     if tiled:
         out = out.reshape(*out.shape[:concat], size * out.shape[concat + 1], *out.shape[concat + 2 :])
     return out
+
+
+def broadcast(x: torch.Tensor, mesh: DeviceMesh, axis: str, src: int) -> torch.Tensor:
+    """The tensor the device at index ``src`` along ``axis`` holds, on every device of it."""
+    group = runtime.group(mesh, (axis,))
+    root = dist.get_global_rank(group, src)
+    if _traced():
+        return _wait(funcol.broadcast(x, root, group))
+    if checks.on:
+        checks.check("broadcast", x, mesh, (axis,), group, {"src": src})
+    source = dist.get_rank() == root
+    out = x.contiguous() if source else torch.empty_like(x, memory_format=torch.contiguous_format)
+    c10d(dist.broadcast, out, src=root, group=group, name="broadcast", axes=(axis,))
+    return out  # the source's own tensor, as it passed it where contiguous (broadcast only reads it)
 
 
 def permute(

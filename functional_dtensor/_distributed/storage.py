@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from .. import _autograd as autograd
 from .. import _blocks as blocks
 from .._errors import InputTypeError, MeshError, ShapeError, explain
 from .._layout import Layout
@@ -26,6 +28,9 @@ __all__ = [
     "splits_as_views",
     "saved",
     "restored",
+    "replica",
+    "replicated",
+    "from_source",
 ]
 
 
@@ -220,3 +225,47 @@ def unpadded(block: torch.Tensor, layout: Layout, global_shape: tuple[int, ...])
     """This rank's shard of its padded block."""
     table = shard_table(layout, tuple(global_shape))
     return blocks.unpad(block, table.local_shapes[runtime.device_index(layout.mesh)])
+
+
+def replica(storage: torch.Tensor) -> torch.Tensor:
+    """This rank's copy of a replicated value: its storage."""
+    return storage
+
+
+def replicated(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The storage, in the replicated ``layout``, of ``tensor`` this rank computed."""
+    return tensor
+
+
+@autograd.compilable
+class _SourceData(torch.autograd.Function):
+    """The source rank's values; the gradient is this rank's, to its own tensor (each rank's
+    tensor stands for the one global value, as in the single-device program)."""
+
+    @staticmethod
+    def forward(tensor, data):
+        return data
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+    @staticmethod
+    def jvp(ctx, t, _data_t):
+        return t
+
+
+def from_source(tensor: torch.Tensor, mesh, src: int) -> torch.Tensor:
+    """The tensor the devices at index ``src`` of every mesh axis hold, on every rank: one
+    broadcast per axis of more than one device (torch's ``src_data_rank``)."""
+    if not torch.compiler.is_compiling() and get_proxy_mode() is not None:
+        return tensor  # traced by torch.func.linearize: a transform's tensor, as the tangent's
+    data = tensor.detach()
+    for name, size in zip(mesh.axis_names, mesh.shape):
+        if size > 1:
+            data = kernels.broadcast(data, mesh, name, src)
+    return autograd.apply(_SourceData, tensor, data) if tensor.requires_grad else data

@@ -36,6 +36,9 @@ __all__ = [
     "splits_as_views",
     "saved",
     "restored",
+    "replica",
+    "replicated",
+    "from_source",
 ]
 
 
@@ -293,3 +296,56 @@ def padded(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...])
 def unpadded(storage: torch.Tensor, layout: Layout, global_shape: tuple[int, ...]) -> torch.Tensor:
     """The storage of padded blocks: itself (a simulated storage holds them padded)."""
     return storage
+
+
+class _Replica(torch.autograd.Function):
+    """One device's copy of a replicated value's storage; every device's cotangent is the
+    same, the one computed on this copy (as each rank computes its own on the distributed
+    backend)."""
+
+    @staticmethod
+    def forward(storage):
+        return storage[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.devices = inputs[0].shape[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.unsqueeze(0).expand(ctx.devices, *g.shape)
+
+
+class _HeldOnce(torch.autograd.Function):
+    """The storage of a replicated value computed once: ``tensor`` held for every device; its
+    cotangent is one device's (they are equal)."""
+
+    @staticmethod
+    def forward(tensor, devices):
+        return tensor.unsqueeze(0).expand(devices, *tensor.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[0], None
+
+
+def replica(storage: torch.Tensor) -> torch.Tensor:
+    """One device's block of the storage of a replicated value (all are equal)."""
+    return _Replica.apply(storage) if storage.requires_grad else storage[0]
+
+
+def replicated(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The storage, in the replicated ``layout``, of ``tensor``: every device's value, computed
+    once."""
+    if tensor.requires_grad:
+        return _HeldOnce.apply(tensor, layout.mesh.size)
+    return tensor.unsqueeze(0).expand(layout.mesh.size, *tensor.shape)
+
+
+def from_source(tensor: torch.Tensor, mesh, src: int) -> torch.Tensor:
+    """The one tensor every simulated device holds: already the source's."""
+    return tensor
