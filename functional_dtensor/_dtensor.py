@@ -521,6 +521,16 @@ def check_tensor(value, where: str, *, torch_dtensor_fix: str) -> torch.Tensor:
     """``value`` if it is a plain tensor; otherwise an error that names the conversion
     (``torch_dtensor_fix``: the one for a ``torch.distributed.tensor.DTensor``)."""
     if isinstance(value, torch.Tensor) and not _is_torch_dtensor(value):
+        if value.layout != torch.strided:
+            raise InputTypeError(
+                explain(
+                    where,
+                    "an fd.DTensor holds dense (strided) tensors",
+                    expected="a tensor of layout torch.strided",
+                    got=f"a tensor of layout {value.layout}",
+                    fix="convert it with tensor.to_dense() first",
+                )
+            )
         return value
     if isinstance(value, DTensor):
         what, fix = (

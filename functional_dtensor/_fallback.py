@@ -173,6 +173,16 @@ def run_replicated(func, args, kwargs, tensors: list[DTensor], leaves, tree, uns
 
     def wrapped(value):
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if value.layout != torch.strided:
+                raise FunctionalDTensorError(
+                    explain(
+                        f"torch.{name}",
+                        "an fd.DTensor holds dense (strided) tensors",
+                        expected="an op whose outputs are dense",
+                        got=f"an output of layout {value.layout}",
+                        fix="run it on the global value (x.full_tensor()) or inside fd.local_map",
+                    )
+                )
             return new_value(backend.replicated(value, target), target, value.shape)
         return value
 

@@ -80,6 +80,7 @@ class Handler(NamedTuple):
     by_value: bool = True
     valid: Callable | None = None
     by_grad: bool = False  # whether ``params`` reads whether an input needs a gradient
+    explained_as: Callable | None = None  # a composite's op with a rule, for fd.explain
 
 
 _NUMBERS = (int, float, bool)
@@ -812,6 +813,9 @@ def decision_for(func, args, kwargs) -> tuple[str, list[DTensor], Decision]:
         if fallback.is_strict():
             raise unsupported(func, strict=True)
         handler = Handler(fallback.all_replicated, _no_params, None, fallback.name_of(func))
+    if handler.rule is None and handler.explained_as is not None:
+        func = handler.explained_as
+        handler = _HANDLERS[func]
     if handler.rule is None:
         raise FunctionalDTensorError(
             explain(

@@ -104,12 +104,16 @@ def _divisor_local(func, args, kwargs, ctx):
     """``remainder``, ``fmod``, ``div``: an integer divisor's padding (the zeros an uneven shard
     is padded with on stacked storage) set to one, so that the division does not fail there."""
     divisor = args[1] if len(args) > 1 else None
+    count = len(ctx.decision.inputs)  # the fd.DTensor inputs (a plain 0-d tensor is none)
     if (
         ctx.lead
         and isinstance(divisor, torch.Tensor)
         and not (divisor.is_floating_point() or divisor.is_complex())
+        # the divisor is a value's storage: the other operand is one too, or a number or a
+        # plain 0-d tensor (a storage has the device dim)
+        and (count == 2 or not (isinstance(args[0], torch.Tensor) and args[0].dim() >= 1))
     ):
-        i = int(isinstance(args[0], torch.Tensor))  # the divisor's place among the inputs
+        i = count - 1  # the divisor's place among the fd.DTensor inputs
         layout, shape = ctx.decision.inputs[i], ctx.decision.call.shapes[i]
         if not shard_table(layout, shape).is_even:
             args = (args[0], divisor.masked_fill(~_valid(layout, shape, divisor), 1), *args[2:])
@@ -121,6 +125,15 @@ def _gradients(args, kwargs, tensors):
     return (torch.is_grad_enabled() and any([t.requires_grad for t in tensors]),)
 
 
+def _masked_fill_local(func, args, kwargs, ctx):
+    """``masked_fill`` as ``where``: a value given as an fd.DTensor is, on stacked storage, a
+    vector of every device's value, which masked_fill does not take."""
+    (x, mask, value), _ = _align([*args[:2], args[2] if len(args) > 2 else kwargs["value"]], {}, ctx)
+    return torch.where(mask, value, x).to(x.dtype)
+
+
+_MASKED_FILL = Handler(rules.elementwise, _none, _masked_fill_local, "masked_fill", False)
+register(_functions("masked_fill"), _MASKED_FILL)
 _EXTREMA = {"maximum": rules.extremum(rules.MAX), "minimum": rules.extremum(rules.MIN)}
 for _name in _UNARY + _BINARY:
     local = _divisor_local if _name in ("remainder", "fmod") else _elementwise_local
@@ -216,6 +229,9 @@ def _device_type(value) -> str | None:
 
 
 def _conversion_local(func, args, kwargs, ctx):
+    # a global value is laid out as torch.empty(x.shape) is: no memory format of its own (the
+    # stacked storage has a dim more than the formats take)
+    kwargs = {k: v for k, v in kwargs.items() if k != "memory_format"}
     if func is torch.Tensor.type_as:
         return args[0].to(ctx.decision.out_dtypes[0])
     return func(*args, **kwargs)
@@ -315,10 +331,10 @@ def _matmul_params(args, kwargs, tensors):
             raise ShapeError(
                 explain(
                     "torch.matmul",
-                    "a matmul of fd.DTensor takes matrices (or batches of them)",
-                    expected="inputs of 2 dims or more",
+                    "a matmul takes vectors, matrices or batches of them (as on one device)",
+                    expected="inputs of 1 dim or more",
                     got=f"an input of shape {tuple(t.shape)}",
-                    fix="unsqueeze a vector first: (v.unsqueeze(0) @ w).squeeze(0)",
+                    fix="multiply by a 0-d value with torch.mul",
                 )
             )
     if len(tensors) == 2 and tensors[0].dtype != tensors[1].dtype:
@@ -350,9 +366,32 @@ def _mm_local(func, args, kwargs, ctx):
     return _bmm(a, b) if ctx.lead else torch.mm(a, b)
 
 
+def _matmul_of_matrices(a, b):
+    """``torch.matmul`` of two values of 2 dims or more (its rule's form)."""
+    return torch.matmul(a, b)
+
+
+def _matmul(func, args, kwargs, ctx):
+    """``torch.matmul`` as torch takes it: a vector operand is a one-row (first) or one-column
+    (second) matrix, and the product drops that dim (two vectors: their dot product)."""
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or min(a.ndim, b.ndim) != 1:
+        return dispatch(_matmul_of_matrices, (a, b), {})
+    rows = a.unsqueeze(0) if a.ndim == 1 else a
+    cols = b.unsqueeze(-1) if b.ndim == 1 else b
+    out = dispatch(_matmul_of_matrices, (rows, cols), {})
+    if b.ndim == 1:
+        out = out.squeeze(-1)
+    return out.squeeze(-1 if b.ndim == 1 else -2) if a.ndim == 1 else out
+
+
 register(
-    [torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm],
+    [_matmul_of_matrices, torch.bmm, torch.Tensor.bmm],
     Handler(rules.matmul, _matmul_params, _matmul_local, "matmul"),
+)
+register(
+    [torch.matmul, torch.Tensor.matmul],
+    Handler(None, _none, _matmul, "matmul", explained_as=_matmul_of_matrices),
 )
 register([torch.mm, torch.Tensor.mm], Handler(rules.matmul, _matmul_params, _mm_local, "matmul"))
 
@@ -493,8 +532,7 @@ def _along_max(kind):
         ndim = len(ctx.decision.call.shapes[0])
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         if not ndim:  # a 0-d value: its one element along a dim of its own (not the device dim)
-            values, indices = getattr(torch, kind)(args[0].unsqueeze(-1), -1)
-            return values, indices
+            return getattr(torch, kind)(args[0].unsqueeze(-1), -1)  # (torch's return type)
         return getattr(torch, kind)(args[0], dims[0] - ndim, keepdim=keepdim)
 
     return local
@@ -574,9 +612,9 @@ def _sort_local(func, args, kwargs, ctx):
     descending = args[2] if len(args) > 2 else kwargs.get("descending", False)
     rest = {k: v for k, v in kwargs.items() if k not in ("dim", "descending")}
     if not ndim:  # a 0-d value: along a dim of its own, not the device dim
-        out = func(args[0].unsqueeze(-1), -1, descending, **rest)
+        out = func(args[0].unsqueeze(-1), dim=-1, descending=descending, **rest)
         return type(out)([o.squeeze(-1) for o in out])
-    return func(args[0], dim - ndim, descending, **rest)
+    return func(args[0], dim=dim - ndim, descending=descending, **rest)  # (keywords: stable= too)
 
 
 for _name in ("argmax", "argmin"):
@@ -637,7 +675,14 @@ def _vector_norm(func, args, kwargs, ctx):
         return torch.sum(torch.ne(size, 0), **over).to(out.dtype)
     if ord == 1:
         return torch.sum(size, **over)
-    total = torch.sum(torch.square(size) if ord == 2 else torch.pow(size, ord), **over)
+    if ord < 0:  # a zero |x| makes the sum infinite and the norm 0, with the subgradient 0
+        zero = torch.eq(size, 0)
+        powered = torch.where(zero, math.inf, torch.pow(torch.where(zero, 1.0, size), ord))
+        return torch.pow(torch.sum(powered, **over), 1.0 / ord)
+    if ord != 2:  # |x| ** ord of a zero |x|: 0, with torch's subgradient 0 (ord < 1 has none)
+        positive = torch.gt(size, 0)
+        size = torch.where(positive, torch.pow(torch.where(positive, size, 1.0), ord), 0.0)
+    total = torch.sum(torch.square(size) if ord == 2 else size, **over)
     # the root of a zero total has no derivative: 0 there, as torch's subgradient at zero
     nonzero = torch.gt(total, 0)
     safe = torch.where(nonzero, total, 1.0)

@@ -354,7 +354,13 @@ def job_gradients_at_edges(mesh) -> dict:
     F.layer_norm(
         fd.distribute_tensor(x, mesh, fd.P(name)), (3,), placed, eps=-0.5
     ).full_tensor().sum().backward()
-    return {"norm of zeros": zeros.grad, "layer_norm weight": weight.grad}
+    orders = {}
+    for order in (0.5, 1.5, 3, -1, -2):  # |x| ** order of a zero element, for every order
+        leaf = torch.tensor([0.0, 1.0, -2.0, 0.5, 3.0], requires_grad=True)
+        norm = torch.linalg.vector_norm(fd.distribute_tensor(leaf, mesh, fd.P(name)), order)
+        norm.full_tensor().backward()
+        orders[order] = (norm.full_tensor().detach(), leaf.grad)
+    return {"norm of zeros": zeros.grad, "layer_norm weight": weight.grad, "orders": orders}
 
 
 @pytest.mark.meshes((4,))
@@ -367,3 +373,8 @@ def test_gradients_at_the_edges_equal_torch(backend, mesh):
     for got in backend.run(job_gradients_at_edges, mesh.shape, mesh.names):
         assert torch.equal(got["norm of zeros"], zeros.grad)
         assert_close(got["layer_norm weight"], weight.grad)
+        for order, (value, grad) in got["orders"].items():
+            leaf = torch.tensor([0.0, 1.0, -2.0, 0.5, 3.0], requires_grad=True)
+            norm = torch.linalg.vector_norm(leaf, order)
+            norm.backward()
+            assert_close((value, grad), (norm.detach(), leaf.grad), msg=f"ord {order}")
