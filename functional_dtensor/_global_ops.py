@@ -373,8 +373,10 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
             local.append(value)
         else:
             return _dispatch_tree(func, handler, args, {}, found)
-    if handler.by_grad:
-        key.append(_needs_grad(local))
+    if handler.by_grad:  # (storages here: plain tensors, as the numbers are not)
+        key.append(
+            torch.is_grad_enabled() and any([type(v) is torch.Tensor and v.requires_grad for v in local])
+        )
     decision = _DECISIONS.get(tuple(key))
     if (
         decision is None
