@@ -33,7 +33,6 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import _torch_ops  # noqa: F401  (registers attention's own handler, which the context stands in for)
 from ._cache import cached
 from ._collectives import axis_index, ppermute
 from ._context import frame_for
@@ -43,6 +42,7 @@ from ._global_ops import Handler, dispatch, register, resolved
 from ._mesh import DeviceMesh
 from ._shard_map import shard_map
 from ._spec import P
+from .ops import nn as _ops_nn  # noqa: F401  (registers attention's own handler, which the context stands in for)
 
 __all__ = ["ring_attention", "context_parallel", "context_parallel_attention"]
 
@@ -526,4 +526,4 @@ def _attention(func, args, kwargs, ctx):
     )  # fmt: skip
 
 
-_ORIGINAL = resolved(_SDPA)  # the op's own handler (registered by ._torch_ops) and number
+_ORIGINAL = resolved(_SDPA)  # the op's own handler (registered by .ops.nn) and number

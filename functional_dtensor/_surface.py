@@ -17,7 +17,7 @@ import torch
 from ._dtensor import DTensor, from_local, storage_of
 from ._errors import InputTypeError, UnsupportedAttributeError, explain
 from ._global_ops import dispatch, resolved
-from ._torch_ops import getitem
+from .ops import getitem
 
 __all__ = ["install"]
 

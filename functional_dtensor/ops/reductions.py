@@ -1,0 +1,278 @@
+"""Reductions: ``sum``, ``mean``, ``amax``, ``amin``, ``prod``; ``max``/``min`` (of all, of two, along a
+dim); ``argmax``/``argmin``/``sort``; the vector and matrix norms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _rules as rules
+from .._dtensor import DTensor
+from .._errors import InputTypeError, explain
+from .._global_ops import Handler, dispatch, register
+from .._sharding import shard_table
+from .common import checked_dim, dim_param, functions, no_params, on_meta, valid
+
+__all__: list[str] = []
+
+
+# --- reductions --------------------------------------------------------------------------------
+
+
+def _dims(dim, ndim: int) -> tuple[int, ...]:
+    dims = (dim,) if isinstance(dim, int) else None if dim is None else tuple(dim)
+    if not dims:  # None, and an empty dim list, reduce every dim (as torch)
+        return tuple(range(ndim))
+    return tuple(sorted({d % max(ndim, 1) for d in dims})) if ndim else ()
+
+
+def _reduction(kind: str):
+    def params(args, kwargs, tensors):
+        rest = [a for a in args[1:] if not isinstance(a, torch.dtype)]
+        dim = kwargs.get("dim", rest[0] if rest else None)
+        keepdim = kwargs.get("keepdim", rest[1] if len(rest) > 1 else False)
+        if kind in ("amax", "amin") and tensors[0].dtype.is_complex:  # meta kernels let it pass
+            raise InputTypeError(
+                explain(
+                    f"torch.{kind}",
+                    "complex values have no order",
+                    expected="a real dtype (as on one device)",
+                    got=str(tensors[0].dtype),
+                    fix="reduce x.abs() or x.real instead",
+                )
+            )
+        grad = kind in ("amax", "amin") and tensors[0].requires_grad and torch.is_grad_enabled()
+        # under autograd a max over a sharded dim gathers it: only the device holding the max
+        # may take its gradient
+        dims = _dims(dim, tensors[0].ndim)
+        negative = tuple([d - tensors[0].ndim for d in dims])
+        return ("whole" if grad else kind, dims, bool(keepdim), negative)
+
+    def local(func, args, kwargs, ctx):
+        storage = args[0]
+        _, dims, keepdim, negative = ctx.decision.call.params
+        dtype = kwargs.get("dtype")  # keyword-only in every reduction
+        if kind == "sum" and negative:
+            return torch.sum(storage, dim=negative, keepdim=keepdim, dtype=dtype)
+        shape = ctx.decision.call.shapes[0]
+        layout = ctx.decision.inputs[0]
+        if kind in ("amax", "amin", "prod") and ctx.lead and not shard_table(layout, shape).is_even:
+            identity = 1 if kind == "prod" else _identity(kind, storage.dtype)
+            storage = storage.masked_fill(~valid(layout, shape, storage), identity)
+        if not negative:
+            return storage.to(ctx.decision.out_dtypes[0])
+        if kind == "sum":
+            return torch.sum(storage, dim=negative, keepdim=keepdim, dtype=dtype)
+        if kind == "mean":
+            total = torch.sum(
+                storage, dim=negative, keepdim=keepdim, dtype=dtype or ctx.decision.out_dtypes[0]
+            )
+            return total / math.prod([shape[d] for d in dims])
+        if kind in ("amax", "amin"):
+            if 0 in [storage.shape[d] for d in negative]:  # an empty shard: the identity
+                shape = [1 if i - storage.dim() in negative else n for i, n in enumerate(storage.shape)]
+                if not keepdim:
+                    shape = [n for i, n in enumerate(shape) if i - storage.dim() not in negative]
+                identity = _identity(kind, storage.dtype)
+                return torch.full(shape, identity, dtype=storage.dtype, device=storage.device)
+            return (torch.amax if kind == "amax" else torch.amin)(storage, dim=negative, keepdim=keepdim)
+        for d in sorted(negative):
+            storage = torch.prod(storage, dim=d, keepdim=True, dtype=dtype)
+        return storage if keepdim else storage.squeeze(tuple(negative))
+
+    return params, local
+
+
+def _identity(kind: str, dtype: torch.dtype):
+    """The identity of ``amax``/``amin`` in ``dtype`` (False/True for bool, which torch.iinfo
+    does not take)."""
+    if dtype == torch.bool:
+        return kind == "amin"
+    if dtype.is_floating_point:
+        return -math.inf if kind == "amax" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if kind == "amax" else info.max
+
+
+def _reduction_rule(call):
+    kind, dims, keepdim, _ = call.params
+    return rules.reduction(call._replace(params=(kind, dims, keepdim)))
+
+
+for _kind in ("sum", "mean", "amax", "amin", "prod"):
+    _params, _local = _reduction(_kind)
+    by_grad = _kind in ("amax", "amin")  # with gradients, a sharded dim is gathered (see params)
+    register(functions(_kind), Handler(_reduction_rule, _params, _local, _kind, by_grad=by_grad))
+
+
+def _max_min(kind: str):
+    """``max``/``min``: of all elements, of two values (elementwise), or along a dim (values
+    and indices: the dim must be whole)."""
+    elementwise = torch.maximum if kind == "max" else torch.minimum
+    whole = torch.amax if kind == "max" else torch.amin
+
+    def composite(func, args, kwargs, ctx):
+        other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("dim"))
+        if isinstance(other, (DTensor, torch.Tensor)):
+            return elementwise(args[0], other)
+        if other is None:
+            return whole(args[0])
+        rest = {k: v for k, v in kwargs.items() if k != "dim"}  # the dim is passed as `other`
+        return dispatch(_MAX_ALONG[kind], (args[0], other, *args[2:]), rest)
+
+    return composite
+
+
+def _along_max(kind):
+    def local(func, args, kwargs, ctx):
+        (dims,) = ctx.decision.call.params[:1]
+        ndim = len(ctx.decision.call.shapes[0])
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        if not ndim:  # a 0-d value: its one element along a dim of its own (not the device dim)
+            return getattr(torch, kind)(args[0].unsqueeze(-1), -1)  # (torch's return type)
+        return getattr(torch, kind)(args[0], dims[0] - ndim, keepdim=keepdim)
+
+    return local
+
+
+def _max_along(input, dim, keepdim=False):
+    return torch.max(input, dim, keepdim=keepdim)
+
+
+def _min_along(input, dim, keepdim=False):
+    return torch.min(input, dim, keepdim=keepdim)
+
+
+_MAX_ALONG = {"max": _max_along, "min": _min_along}  # the along-a-dim forms, with their own rule
+for _kind in ("max", "min"):
+    register([_MAX_ALONG[_kind]], Handler(rules.along, dim_param(1, _kind), _along_max(_kind), _kind))
+    register(functions(_kind), Handler(None, no_params, _max_min(_kind), _kind))
+
+
+def _arg_params(name: str):
+    """``argmax``/``argmin``: the dim they reduce must be whole; without one, every dim."""
+
+    def params(args, kwargs, tensors):
+        dim, ndim = kwargs.get("dim", args[1] if len(args) > 1 else None), tensors[0].ndim
+        return (tuple(range(ndim)) if dim is None else (checked_dim(dim, ndim, name),),)
+
+    return params
+
+
+def _arg_local(func, args, kwargs, ctx):
+    (whole,), ndim = ctx.decision.call.params, len(ctx.decision.call.shapes[0])
+    x, lead = args[0], args[0].shape[: ctx.lead]
+    if len(whole) != 1 or not ndim:  # of every element (or a 0-d value's one): flattened
+        return func(x.reshape(*lead, -1), -1).reshape((*lead, *ctx.decision.out_shapes[0]))
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    return func(x, whole[0] - ndim, keepdim=keepdim)
+
+
+def _sort_local(func, args, kwargs, ctx):
+    ((dim,),), ndim = ctx.decision.call.params, len(ctx.decision.call.shapes[0])
+    descending = args[2] if len(args) > 2 else kwargs.get("descending", False)
+    rest = {k: v for k, v in kwargs.items() if k not in ("dim", "descending")}
+    if not ndim:  # a 0-d value: along a dim of its own, not the device dim
+        out = func(args[0].unsqueeze(-1), dim=-1, descending=descending, **rest)
+        return type(out)([o.squeeze(-1) for o in out])
+    return func(args[0], dim=dim - ndim, descending=descending, **rest)  # (keywords: stable= too)
+
+
+for _name in ("argmax", "argmin"):
+    register(functions(_name), Handler(rules.along, _arg_params(_name), _arg_local, _name))
+register(functions("sort"), Handler(rules.along, dim_param(1, "sort", default=-1), _sort_local, "sort"))
+
+
+def _arguments(args, kwargs, **defaults) -> list:
+    """The named arguments' values (``defaults`` in signature order), then the keyword ``dtype``."""
+    bound = dict(zip(defaults, args)) | kwargs
+    return [bound.get(name, default) for name, default in defaults.items()] + [kwargs.get("dtype")]
+
+
+def _norm(func, args, kwargs, ctx):
+    """``torch.norm`` / ``Tensor.norm``: a vector or a matrix norm, as torch's own code picks."""
+    on_meta(func, args, kwargs)
+    x, p, dim, keepdim, dtype = _arguments(args, kwargs, input=None, p="fro", dim=None, keepdim=False)
+    dims = (dim,) if isinstance(dim, int) else dim
+    if p == "fro" and (dims is None or len(dims) <= 2) or not isinstance(p, str):
+        return torch.linalg.vector_norm(x, 2 if p in ("fro", None) else p, dims, keepdim, dtype=dtype)
+    dims = tuple(range(x.ndim)) if dims is None else dims
+    return torch.linalg.matrix_norm(x, p, dims, keepdim, dtype=dtype)
+
+
+def _linalg_norm(func, args, kwargs, ctx):
+    """``torch.linalg.norm``: a vector norm over one dim (or all, without ``ord``), else a
+    matrix norm."""
+    on_meta(func, args, kwargs)
+    x, ord, dim, keepdim, dtype = _arguments(args, kwargs, input=None, ord=None, dim=None, keepdim=False)
+    dims = tuple(range(x.ndim)) if dim is None and ord is not None else dim
+    dims = (dims,) if isinstance(dims, int) else dims
+    if ord is None or len(dims) == 1:
+        return torch.linalg.vector_norm(x, 2 if ord is None else ord, dims, keepdim, dtype=dtype)
+    return torch.linalg.matrix_norm(x, ord, dims, keepdim, dtype=dtype)
+
+
+def _vector_norm(func, args, kwargs, ctx):
+    """``torch.linalg.vector_norm`` as global reductions of ``|x|`` (sharded dims reduce to
+    Partial values): ``inf`` / ``-inf`` its largest / smallest element, 0 the count of
+    nonzeros, another ``ord`` the ``ord``-th root of the sum of its powers."""
+    out = on_meta(func, args, kwargs)
+    x, ord, dim, keepdim, dtype = _arguments(args, kwargs, x=None, ord=2, dim=None, keepdim=False)
+    size = torch.abs(x if dtype is None else x.to(dtype))
+    over = dict(dim=tuple(range(x.ndim)) if dim is None else dim, keepdim=keepdim)
+    if ord in (math.inf, -math.inf):
+        return (torch.amax if ord > 0 else torch.amin)(size, **over)
+    if ord == 0:
+        return torch.sum(torch.ne(size, 0), **over).to(out.dtype)
+    if ord == 1:
+        return torch.sum(size, **over)
+    if ord < 0:  # a zero |x| makes the sum infinite and the norm 0, with the subgradient 0
+        zero = torch.eq(size, 0)
+        powered = torch.where(zero, math.inf, torch.pow(torch.where(zero, 1.0, size), ord))
+        return torch.pow(torch.sum(powered, **over), 1.0 / ord)
+    if ord != 2:  # |x| ** ord of a zero |x|: 0, with torch's subgradient 0 (ord < 1 has none)
+        positive = torch.gt(size, 0)
+        size = torch.where(positive, torch.pow(torch.where(positive, size, 1.0), ord), 0.0)
+    total = torch.sum(torch.square(size) if ord == 2 else size, **over)
+    # the root of a zero total has no derivative: 0 there, as torch's subgradient at zero
+    nonzero = torch.gt(total, 0)
+    safe = torch.where(nonzero, total, 1.0)
+    return torch.where(nonzero, torch.sqrt(safe) if ord == 2 else torch.pow(safe, 1.0 / ord), 0.0)
+
+
+def _matrix_norm(func, args, kwargs, ctx):
+    """``torch.linalg.matrix_norm``: ``fro`` a vector norm of the matrices, ``1`` / ``inf`` (and
+    their negatives) the largest (smallest) sum of ``|x|`` down a column / along a row, as global
+    reductions; ``nuc``, ``2``, ``-2`` sums and extremes of singular values, which need whole
+    matrices: computed on the replicated value (:func:`_singular_norm`)."""
+    out = on_meta(func, args, kwargs)
+    x, ord, dim, keepdim, dtype = _arguments(args, kwargs, A=None, ord="fro", dim=(-2, -1), keepdim=False)
+    x = x if dtype is None else x.to(dtype)
+    if ord == "fro":
+        return torch.linalg.vector_norm(x, 2, dim, keepdim)
+    if ord in ("nuc", 2, -2):
+        return dispatch(_singular_norm, (x, ord, tuple(d % x.ndim for d in dim), keepdim), {})
+    rows, cols = dim
+    summed, then = (cols, rows) if ord in (math.inf, -math.inf) else (rows, cols)
+    sums = torch.sum(torch.abs(x), dim=summed, keepdim=True)
+    return (torch.amax if ord > 0 else torch.amin)(sums, dim=then, keepdim=True).reshape(tuple(out.shape))
+
+
+def _singular_norm(x, ord, dim, keepdim):
+    """A matrix norm of singular values, over ``dim`` (two dims, counted from 0)."""
+    return torch.linalg.matrix_norm(x, ord, dim, keepdim)
+
+
+def _singular_norm_local(func, args, kwargs, ctx):
+    x, ord, dim, keepdim = args
+    ndim = len(ctx.decision.call.shapes[0])
+    return torch.linalg.matrix_norm(x, ord, tuple(d - ndim for d in dim), keepdim)  # from the end
+
+
+register([torch.norm, torch.Tensor.norm], Handler(None, no_params, _norm, "norm"))
+register([torch.linalg.norm], Handler(None, no_params, _linalg_norm, "linalg.norm"))
+register([torch.linalg.vector_norm], Handler(None, no_params, _vector_norm, "linalg.vector_norm"))
+register([torch.linalg.matrix_norm], Handler(None, no_params, _matrix_norm, "linalg.matrix_norm"))
+register([_singular_norm], Handler(rules.whole, no_params, _singular_norm_local, "linalg.matrix_norm"))

@@ -1,0 +1,118 @@
+"""Ops on values rather than layouts: ``allclose``/``equal``, the ``*_like`` factories,
+``dropout`` (from ``fd.random``), ``torch.autograd.grad`` of global values.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .. import random as fd_random
+from .._dtensor import DTensor, storage_of, without_partial
+from .._errors import InputTypeError, explain
+from .._factories import empty, full, ones, zeros
+from .._global_ops import Handler, register
+from .common import no_params
+
+__all__: list[str] = []
+
+
+# --- values, not layouts -----------------------------------------------------------------------
+
+
+def _values(compare):
+    def composite(func, args, kwargs, ctx):
+        a, b = args[0], args[1]
+        a = a.full_tensor() if isinstance(a, DTensor) else a
+        b = b.full_tensor() if isinstance(b, DTensor) else b
+        return compare(a, b, *args[2:], **kwargs)
+
+    return composite
+
+
+register(
+    [torch.allclose, torch.Tensor.allclose], Handler(None, no_params, _values(torch.allclose), "allclose")
+)
+register([torch.equal, torch.Tensor.equal], Handler(None, no_params, _values(torch.equal), "equal"))
+
+
+def _like(factory):
+    def composite(func, args, kwargs, ctx):
+        x = args[0]
+        dtype = kwargs.get("dtype") or x.dtype
+        layout = without_partial(x.sharding)
+        if factory is full:
+            return full(tuple(x.shape), args[1], mesh=x.device_mesh, placements=layout, dtype=dtype)
+        return factory(tuple(x.shape), mesh=x.device_mesh, placements=layout, dtype=dtype)
+
+    return composite
+
+
+for _factory, _name in (
+    (zeros, "zeros_like"),
+    (ones, "ones_like"),
+    (empty, "empty_like"),
+    (full, "full_like"),
+):
+    register([getattr(torch, _name)], Handler(None, no_params, _like(_factory), _name))
+register([torch.rand_like], Handler(None, no_params, _like(fd_random.rand), "rand_like"))
+register([torch.randn_like], Handler(None, no_params, _like(fd_random.randn), "randn_like"))
+
+
+def _dropout(func, args, kwargs, ctx):
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    if not training or p == 0:
+        return x
+    return fd_random.dropout(fd_random.default_key(), x, p)
+
+
+register([F.dropout], Handler(None, no_params, _dropout, "dropout"))
+
+
+# --- autograd on global values ---------------------------------------------------------------
+
+
+def _autograd_grad(func, args, kwargs, ctx):
+    """``torch.autograd.grad`` where outputs or inputs are ``fd.DTensor``: from the outputs'
+    global values to the inputs' storages; each gradient laid out like its input (Partial axes
+    as Replicate), as :attr:`fd.DTensor.grad`."""
+    bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
+    arguments = bound.arguments
+    outputs, inputs = arguments["outputs"], arguments["inputs"]
+    single = not isinstance(inputs, (tuple, list))
+    inputs = [inputs] if single else list(inputs)
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for i, value in enumerate(inputs):
+        if type(value) is DTensor and not value.requires_grad:
+            raise InputTypeError(
+                explain(
+                    f"torch.autograd.grad(inputs[{i}])",
+                    "a gradient is taken with respect to values that need one",
+                    expected="an fd.DTensor with requires_grad",
+                    got=f"{value!r} with requires_grad=False",
+                    fix="lay out a tensor that needs one: fd.distribute_tensor(t.requires_grad_(), mesh, p), "
+                    "or use fd.parallelize_module(...).params or a factory with requires_grad=True",
+                )
+            )
+    grad_outputs = arguments.get("grad_outputs")
+    if grad_outputs is not None:
+        grad_outputs = list(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else [grad_outputs]
+        grad_outputs = [g.full_tensor() if type(g) is DTensor else g for g in grad_outputs]
+    arguments.update(
+        outputs=[o.full_tensor() if type(o) is DTensor else o for o in outputs],
+        inputs=[storage_of(i) if type(i) is DTensor else i for i in inputs],
+        grad_outputs=grad_outputs,
+    )
+    grads = func(**arguments)
+    out = tuple(
+        DTensor(g, without_partial(i.sharding), i.shape) if type(i) is DTensor and g is not None else g
+        for g, i in zip(grads, inputs)
+    )
+    return out
+
+
+register([torch.autograd.grad], Handler(None, no_params, _autograd_grad, "autograd.grad"))
