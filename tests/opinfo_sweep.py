@@ -114,9 +114,19 @@ _LINALG_NAMES = {
 
 
 def op_db() -> list:
-    """torch's OpInfo database (imported on first use: the import takes seconds)."""
+    """torch's OpInfo database (imported on first use: the import takes seconds). Importing it
+    registers torch's own hypothesis profiles (one named "dev", as ours) and loads one (10 random
+    examples): the profiles and the one loaded before are put back, so that the tests after it
+    run as they did (hypothesis keeps both in class attributes, pinned with hypothesis)."""
+    import hypothesis
+
+    loaded, profiles = hypothesis.settings._current_profile, dict(hypothesis.settings._profiles)
     from torch.testing._internal.common_methods_invocations import op_db as db
 
+    hypothesis.settings._profiles.clear()
+    hypothesis.settings._profiles.update(profiles)
+    if loaded is not None:
+        hypothesis.settings.load_profile(loaded)
     return db
 
 
@@ -204,9 +214,14 @@ class FdDTensor:
         return contextlib.nullcontext()
 
     def distribute(self, tensor: torch.Tensor, mesh: str, placements: tuple, grad: bool):
+        """``placements``: ``"R"``, ``"S<dim>"`` or ``"P<op>"`` (a Partial of that reduce op) per
+        mesh axis."""
         leaf = tensor.detach().clone().requires_grad_(grad)
-        kinds = {"R": fd.Replicate(), "S0": fd.Shard(0), "S1": fd.Shard(1)}
-        return leaf, fd.distribute_tensor(leaf, self.meshes[mesh], [kinds[p] for p in placements])
+        kinds = [
+            fd.Replicate() if p == "R" else fd.Shard(int(p[1:])) if p[0] == "S" else fd.Partial(p[1:])
+            for p in placements
+        ]
+        return leaf, fd.distribute_tensor(leaf, self.meshes[mesh], kinds)
 
     def is_value(self, x) -> bool:
         return isinstance(x, fd.DTensor)
@@ -610,3 +625,33 @@ def _describe(sample) -> str:
     parts += [f"{k}={one(v)}" for k, v in sample.kwargs.items()]
     text = f"({', '.join(parts)})"
     return text if len(text) < 160 else text[:157] + "..."
+
+
+def check_case(side, op, sample, mesh: str, placements_for: Callable[[int], tuple]) -> None:
+    """``op`` on one ``sample``, each tensor of ``ndim`` dims laid out by ``placements_for(ndim)``
+    on the side's mesh ``mesh``: raises ``AssertionError`` where the outputs or the gradients
+    differ from plain torch's (any other error of the op is raised as it is); a sample whose
+    plain call fails is skipped."""
+    grad = op.supports_autograd
+    try:
+        torch.manual_seed(1)
+        want = _reference(op, sample, grad)
+    except Exception:  # noqa: BLE001  (the plain call fails on this sample)
+        return
+    try:
+        wide = _reference(op, sample, grad, wide=True)
+        want_wide = (wide[0], wide[1])
+    except Exception:  # noqa: BLE001  (no float64 reference: plain float32 only)
+        want_wide = None
+    torch.manual_seed(1)
+    try:
+        _run_case(side, op, sample, ("drawn", mesh, placements_for), want, want_wide, grad, False)
+    except (_Wrong, _Structure) as error:
+        raise AssertionError(f"{op_id(op)} {_describe(sample)}: {error}") from None
+
+
+def samples_of(op, count: int) -> list:
+    """Up to ``count`` of the op's float32 CPU samples that hold a tensor (as the sweep takes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(_usable_samples(op, count, op.supports_autograd))

@@ -9,9 +9,15 @@ ops must work (``python bench/opinfo_sweep.py`` prints the whole table and the e
 from __future__ import annotations
 
 import functools
+import os
 
 import opinfo_sweep as sweep
 import pytest
+from common import with_long_run
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import functional_dtensor as fd
 
 #: op_db entries (``name`` or ``name.variant``) that run on fd.DTensor under every layout
 SLICE = [
@@ -42,6 +48,9 @@ SLICE_SAMPLES = 3
 #: others draw random numbers (29), have no float32 CPU sample (52) or are in REFUSED): the
 #: slow sweep fails if fewer work (raise it as ops are fixed)
 OK_FLOOR = 606
+
+
+sweep.op_db()  # imported here, at collection: torch's test utilities register hypothesis profiles
 
 
 @functools.cache
@@ -131,3 +140,50 @@ def test_every_op_of_op_db_works_or_is_a_reviewed_refusal():
     assert not fixed, f"ops that work now: remove them from REFUSED: {fixed}"
     ok = sum(r.status == "ok" for r in results)
     assert ok >= OK_FLOOR, f"{ok} ops of op_db work on fd.DTensor, fewer than the floor {OK_FLOOR}"
+
+
+@functools.cache
+def fuzzed_ops() -> tuple:
+    """The ops of op_db the fuzz draws from: all but random ones and reviewed refusals."""
+    return tuple(op for op in sweep.op_db() if not sweep.is_random(op) and sweep.op_id(op) not in REFUSED)
+
+
+#: the meshes the fuzz draws (simulated): a line of 1 to 5 devices, or a square or rectangle
+FUZZ_MESHES = {
+    "1": fd.simulated_mesh(1, "x"),
+    "2": fd.simulated_mesh(2, "x"),
+    "3": fd.simulated_mesh(3, "x"),
+    "5": fd.simulated_mesh(5, "x"),
+    "2x2": fd.simulated_mesh((2, 2), ("a", "b")),
+    "2x3": fd.simulated_mesh((2, 3), ("a", "b")),
+}
+
+
+@with_long_run(1000, data=st.data(), default_examples=40)
+def test_fuzz_op_db(data):
+    """An op drawn from the whole of op_db (not the library's own list), one of its samples,
+    a drawn mesh and, per tensor, drawn placements per mesh axis (Shard of any dim, uneven
+    sizes included, or Replicate): torch's values and gradients."""
+    ops = fuzzed_ops()
+    op = ops[data.draw(st.integers(0, len(ops) - 1), label="op")]
+    samples = sweep.samples_of(op, 3)
+    if not samples:
+        return
+    sample = samples[data.draw(st.integers(0, len(samples) - 1), label="sample")]
+    mesh = data.draw(st.sampled_from(sorted(FUZZ_MESHES)), label="mesh")
+    axes = FUZZ_MESHES[mesh].ndim
+
+    def placements_for(ndim: int) -> tuple:
+        kinds = ["R", *(f"S{d}" for d in range(ndim))]
+        return tuple(data.draw(st.sampled_from(kinds)) for _ in range(axes))
+
+    side = sweep.FdDTensor({mesh: FUZZ_MESHES[mesh]})
+    sweep.check_case(side, op, sample, mesh, placements_for)
+
+
+def test_importing_op_db_keeps_the_tests_hypothesis_profile():
+    """torch's test utilities register a profile named "dev" and load one of their own when
+    op_db is imported: the tests after this module must still draw as conftest.py says."""
+    sweep.op_db()
+    assert settings.get_profile("dev").max_examples == 100  # ours (torch's draws 10)
+    assert settings._current_profile == (os.environ.get("FD_PROFILE") or "ci")
