@@ -27,7 +27,7 @@ import torch
 from . import _log as log
 from ._backend import backend_of
 from ._dtensor import DTensor, new_value, storage_of
-from ._errors import FunctionalDTensorError, explain
+from ._errors import FunctionalDTensorError, ImmutableError, explain
 from ._layout import Layout
 from ._placements import Replicate
 from ._redistribute import redistribute
@@ -142,6 +142,16 @@ def run_replicated(func, args, kwargs, tensors: list[DTensor], leaves, tree, uns
     ``unsupported(func)``/``failed(name, error)``: the library's errors for a refused op and
     an op torch refuses."""
     name = name_of(func)
+    if name.endswith("_") and not name.endswith("__"):  # torch.zero_(x), torch.relu_(x)
+        raise ImmutableError(
+            explain(
+                f"torch.{name}",
+                "an fd.DTensor is immutable: no op changes it in place",
+                expected="an out-of-place operation",
+                got=f"torch.{name} on an fd.DTensor",
+                fix=f"use the out-of-place form, y = torch.{name[:-1]}(x, ...), where there is one",
+            )
+        )
     if is_strict():
         raise unsupported(func, strict=True)
     if _draws_random(func):

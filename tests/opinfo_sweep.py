@@ -189,7 +189,7 @@ def family(op) -> str:
     return "other"
 
 
-def _is_inplace(op) -> bool:
+def is_inplace(op) -> bool:
     return (op.name.endswith("_") and not op.name.startswith("__")) or op.variant_test_name == "in_place"
 
 
@@ -538,7 +538,7 @@ def sweep_op(op, sides, *, samples: int = 4, grad: bool | None = None, timeout: 
     """Run ``op`` on each of ``sides`` (:class:`FdDTensor`, :class:`TorchDTensor`): ``{side.name:
     OpResult}``. ``grad`` (default: ``op.supports_autograd``) compares gradients too."""
     name, fam = op_id(op), family(op)
-    if _is_inplace(op):
+    if is_inplace(op):
         return {s.name: OpResult(name, fam, "skipped", "an in-place variant") for s in sides}
     if is_random(op):
         return {s.name: OpResult(name, fam, "random", "draws random numbers") for s in sides}

@@ -155,6 +155,13 @@ def test_ops_that_draw_random_numbers_are_refused_with_fd_random_named():
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
+def test_in_place_torch_functions_are_refused():
+    x = fd.distribute_tensor(torch.ones(4), fd.simulated_mesh(2, "x"), fd.P("x"))
+    with pytest.raises(fd.ImmutableError, match="torch.zero"):
+        torch.zero_(x)
+    assert torch.equal(x.full_tensor(), torch.ones(4))
+
+
 def test_tensor_methods_and_attributes_keep_torchs_meanings():
     mesh = fd.simulated_mesh(4, "x")
     t = torch.arange(12.0).reshape(6, 2)

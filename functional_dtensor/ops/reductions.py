@@ -101,10 +101,57 @@ def _reduction_rule(call):
     return rules.reduction(call._replace(params=(kind, dims, keepdim)))
 
 
+def _amax_values(input, dim=(), keepdim=False):
+    """``torch.amax`` (the form with a rule; :func:`_extreme` takes the calls)."""
+    return torch.amax(input, dim, keepdim)
+
+
+def _amin_values(input, dim=(), keepdim=False):
+    return torch.amin(input, dim, keepdim)
+
+
+_VALUES = {"amax": _amax_values, "amin": _amin_values}
+
 for _kind in ("sum", "mean", "amax", "amin", "prod"):
     _params, _local = _reduction(_kind)
     by_grad = _kind in ("amax", "amin")  # with gradients, a sharded dim is gathered (see params)
-    register(functions(_kind), Handler(_reduction_rule, _params, _local, _kind, by_grad=by_grad))
+    forms = [_VALUES[_kind]] if _kind in _VALUES else functions(_kind)
+    register(forms, Handler(_reduction_rule, _params, _local, _kind, by_grad=by_grad))
+
+
+def _extreme(kind: str):
+    """``amax`` / ``amin``. With gradients, over dims that may be sharded, as torch's gradient
+    needs and without gathering the input: the extreme reduced locally and combined (an
+    all-reduce of the small result), then the value as the extreme plus the mean of the
+    elements that reach it less it (zero), whose gradient is torch's: the output's spread
+    evenly over the elements equal to it (a sum of the hits, reduced as small). Where the
+    extreme is not finite (or while compiling, which reads no value), the dims are gathered."""
+    values = _VALUES[kind]
+
+    def composite(func, args, kwargs, ctx):
+        x, rest = args[0], list(args[1:])
+        dim = kwargs.get("dim", rest[0] if rest else ())
+        keepdim = kwargs.get("keepdim", rest[1] if len(rest) > 1 else False)
+        dim = () if dim is None else dim
+        if not (torch.is_grad_enabled() and isinstance(x, DTensor) and x.requires_grad) or not x.ndim:
+            return dispatch(values, (x, dim, keepdim), {})
+        if torch.compiler.is_compiling() or x.dtype.is_complex or not x.dtype.is_floating_point:
+            return dispatch(values, (x, dim, keepdim), {})
+        dims = _dims(dim, x.ndim)
+        top = dispatch(values, (x.detach(), dims, True), {})
+        if not bool(torch.isfinite(top).all()):
+            return dispatch(values, (x, dim, keepdim), {})
+        hit = torch.eq(x, top)
+        count = torch.sum(hit, dim=dims, keepdim=True)
+        spread = torch.sum(torch.where(hit, torch.sub(x, top), 0.0), dim=dims, keepdim=True)
+        out = torch.add(top, torch.div(spread, count))
+        return out if keepdim else out.squeeze(dims)
+
+    return composite
+
+
+for _kind in _VALUES:
+    register(functions(_kind), Handler(None, no_params, _extreme(_kind), _kind, explained_as=_VALUES[_kind]))
 
 
 def _max_min(kind: str):
