@@ -378,3 +378,16 @@ def test_gradients_at_the_edges_equal_torch(backend, mesh):
             norm = torch.linalg.vector_norm(leaf, order)
             norm.backward()
             assert_close((value, grad), (norm.detach(), leaf.grad), msg=f"ord {order}")
+
+
+def test_attention_dropout_is_refused_not_drawn_per_device():
+    """F.scaled_dot_product_attention's dropout draws from torch's global generator: each device
+    would draw its own mask (found by the op_db fuzz, a silent wrong answer): refused."""
+    mesh = fd.simulated_mesh(2, "x")
+    q = fd.distribute_tensor(torch.randn(4, 3, 8), mesh, fd.P("x"))
+    with pytest.raises(fd.InputTypeError, match="fd.random.dropout"):
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert_close(
+        F.scaled_dot_product_attention(q, q, q).full_tensor(),
+        F.scaled_dot_product_attention(*[q.full_tensor()] * 3),
+    )

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import _rules as rules
+from .._errors import InputTypeError, explain
 from .._global_ops import Handler, register
 from .._placements import Shard
-from .common import align, dim_param, functions, no_params, valid
+from .common import align, dim_param, functions, valid
 
 __all__: list[str] = []
 
@@ -120,7 +121,26 @@ def _attention_local(func, args, kwargs, ctx):
     return func(*args, **kwargs)
 
 
+def _attention_params(args, kwargs, tensors):
+    """A dropout of the attention weights draws from torch's global generator: each device
+    its own numbers (replicas would differ); refused, with the ways to draw it from a key."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p")
+    dropout = (dict(zip(names, args)) | kwargs).get("dropout_p", 0.0)
+    if dropout:
+        raise InputTypeError(
+            explain(
+                "F.scaled_dot_product_attention(dropout_p)",
+                "its dropout draws from torch's global generator: on each device its own numbers",
+                expected="dropout_p=0.0 on fd.DTensor",
+                got=f"dropout_p={dropout}",
+                fix="pass dropout_p=0.0 (as in evaluation); for training with attention dropout, "
+                "compute the weights and drop them with fd.random.dropout(key, weights, p)",
+            )
+        )
+    return ()
+
+
 register(
     [F.scaled_dot_product_attention],
-    Handler(_attention_rule, no_params, _attention_local, "scaled_dot_product_attention"),
+    Handler(_attention_rule, _attention_params, _attention_local, "scaled_dot_product_attention"),
 )
