@@ -555,29 +555,11 @@ def sweep_op(op, sides, *, samples: int = 4, grad: bool | None = None, timeout: 
         except Exception as error:  # noqa: BLE001  (an op whose samples fail is skipped)
             return {s.name: OpResult(name, fam, "skipped", f"samples: {_first_line(error)}") for s in sides}
         for k, sample in enumerate(sample_list):
-            try:
-                torch.manual_seed(1)
-                want = _reference(op, sample, grad)
-            except Exception:  # noqa: BLE001  (the plain call fails on this sample: skipped)
+            answers = _references(op, sample, grad, uninitialized)
+            if answers is None or answers == "random":  # the plain call fails, or it draws
+                drawn += answers == "random"
                 continue
-            if not uninitialized:  # a sample whose results change with the seed draws: skipped
-                torch.manual_seed(2)
-                try:
-                    again = _reference(op, sample, False)[0]
-                except Exception:  # noqa: BLE001
-                    again = want[0]
-                try:
-                    random = _differs(want[0], again)
-                except Exception:  # noqa: BLE001  (outputs that do not compare: not random)
-                    random = False
-                if random:
-                    drawn += 1
-                    continue
-            try:
-                wide = _reference(op, sample, grad, wide=True)
-                want_wide = (wide[0], wide[1])
-            except Exception:  # noqa: BLE001  (no float64 reference: plain float32 only)
-                want_wide = None
+            want, want_wide = answers
             for layout in LAYOUTS:
                 for side in sides:
                     result = worst[side.name]
@@ -629,25 +611,43 @@ def _describe(sample) -> str:
     return text if len(text) < 160 else text[:157] + "..."
 
 
+def _references(op, sample, grad: bool, uninitialized: bool):
+    """Plain torch's answers to ``sample`` (see :func:`_reference`), in its dtype and in float64
+    (None where there is no float64 one): None where the plain call fails, ``"random"`` where
+    its results change with the seed (it draws random numbers)."""
+    try:
+        torch.manual_seed(1)
+        want = _reference(op, sample, grad)
+    except Exception:  # noqa: BLE001  (the plain call fails on this sample)
+        return None
+    if not uninitialized:
+        torch.manual_seed(2)
+        try:
+            again = _reference(op, sample, False)[0]
+        except Exception:  # noqa: BLE001
+            again = want[0]
+        try:
+            if _differs(want[0], again):
+                return "random"
+        except Exception:  # noqa: BLE001  (outputs that do not compare: not random)
+            pass
+    try:
+        wide = _reference(op, sample, grad, wide=True)
+        return want, (wide[0], wide[1])
+    except Exception:  # noqa: BLE001  (no float64 reference: plain float32 only)
+        return want, None
+
+
 def check_case(side, op, sample, mesh: str, placements_for: Callable[[int], tuple]) -> None:
     """``op`` on one ``sample``, each tensor of ``ndim`` dims laid out by ``placements_for(ndim)``
     on the side's mesh ``mesh``: raises ``AssertionError`` where the outputs or the gradients
     differ from plain torch's (any other error of the op is raised as it is); a sample whose
     plain call fails is skipped."""
     grad, uninitialized = op.supports_autograd, bool(_UNINITIALIZED.search(op.name))
-    try:
-        torch.manual_seed(1)
-        want = _reference(op, sample, grad)
-        torch.manual_seed(2)
-        if not uninitialized and _differs(want[0], _reference(op, sample, False)[0]):
-            return  # its results change with the seed: it draws random numbers
-    except Exception:  # noqa: BLE001  (the plain call fails on this sample)
+    answers = _references(op, sample, grad, uninitialized)
+    if answers is None or answers == "random":
         return
-    try:
-        wide = _reference(op, sample, grad, wide=True)
-        want_wide = (wide[0], wide[1])
-    except Exception:  # noqa: BLE001  (no float64 reference: plain float32 only)
-        want_wide = None
+    want, want_wide = answers
     torch.manual_seed(1)
     layout = ("drawn", mesh, placements_for)
     try:
