@@ -184,3 +184,22 @@ def test_tensor_methods_and_attributes_keep_torchs_meanings():
     with pytest.raises(fd.UnsupportedAttributeError, match="to_local"):
         x.data_ptr()
     assert not hasattr(x, "no_such_attribute")
+
+
+def test_second_derivatives_of_an_op_without_a_rule_equal_torch():
+    """The replica an op without a rule runs on and the replicated value it returns are each
+    other's derivative, to any order (a plain expand's derivative would sum the devices')."""
+    mesh = fd.simulated_mesh(2, "x")
+    t = torch.tensor([0.3, -1.2], dtype=torch.float64)
+    direction = torch.tensor([0.5, 2.0], dtype=torch.float64)
+
+    def derivatives(f):
+        x = t.clone().requires_grad_()
+        (first,) = torch.autograd.grad((f(x) ** 2 * 0.7).sum(), x, create_graph=True)
+        (second,) = torch.autograd.grad((first * direction).sum(), x)
+        return first.detach(), second
+
+    want = derivatives(torch.std)
+    for spec in (fd.P(), fd.P("x")):
+        got = derivatives(lambda x, spec=spec: torch.std(fd.distribute_tensor(x, mesh, spec)).full_tensor())
+        assert_close(got, want)

@@ -226,8 +226,8 @@ def broadcast(x: torch.Tensor, mesh: DeviceMesh, axis: str, src: int) -> torch.T
     """The tensor the device at index ``src`` along ``axis`` holds, on every device of it."""
     group = runtime.group(mesh, (axis,))
     root = dist.get_global_rank(group, src)
-    if _traced():
-        return _wait(funcol.broadcast(x, root, group))
+    if _traced():  # (the functional collective takes the source by its rank in the group)
+        return _wait(funcol.broadcast(x, src, group))
     if checks.on:
         checks.check("broadcast", x, mesh, (axis,), group, {"src": src})
     source = dist.get_rank() == root

@@ -313,12 +313,13 @@ class _Replica(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g.unsqueeze(0).expand(ctx.devices, *g.shape)
+        return _HeldOnce.apply(g, ctx.devices)  # (its own derivative takes one replica again)
 
 
 class _HeldOnce(torch.autograd.Function):
     """The storage of a replicated value computed once: ``tensor`` held for every device; its
-    cotangent is one device's (they are equal)."""
+    cotangent is one device's (they are equal). The two functions are each other's derivative,
+    to any order."""
 
     @staticmethod
     def forward(tensor, devices):
@@ -330,7 +331,7 @@ class _HeldOnce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g[0], None
+        return _Replica.apply(g), None
 
 
 def replica(storage: torch.Tensor) -> torch.Tensor:
