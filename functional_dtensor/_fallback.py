@@ -136,7 +136,7 @@ def replicated_layout(mesh) -> Layout:
     return Layout(mesh, (Replicate(),) * mesh.ndim)
 
 
-def run_replicated(func, args, kwargs, tensors: list[DTensor], leaves, tree, unsupported, failed):
+def run_replicated(func, tensors: list[DTensor], leaves, tree, unsupported, failed):
     """``func`` on the global values of its ``fd.DTensor`` arguments (``tensors``; the call
     flattened to ``leaves`` and ``tree``), its tensors returned as replicated values.
     ``unsupported(func)``/``failed(name, error)``: the library's errors for a refused op and

@@ -57,6 +57,7 @@ __all__ = [
     "decision_for",
     "unsupported",
     "refused",
+    "no_params",
 ]
 
 
@@ -420,7 +421,8 @@ def _failed(name: str, error: Exception) -> InputTypeError:
     )
 
 
-def _no_params(args, kwargs, tensors):
+def no_params(args, kwargs, tensors):
+    """A handler's ``params`` for an op whose rule takes no arguments of its own."""
     return ()
 
 
@@ -433,7 +435,7 @@ def _replicated(func, args, kwargs):
     if not tensors:  # a DTensor inside a container optree does not walk: nothing to lay out
         raise unsupported(func)
     _check_values(getattr(func, "__name__", repr(func)), leaves, tensors)
-    return fallback.run_replicated(func, args, kwargs, tensors, leaves, tree, unsupported, _failed)
+    return fallback.run_replicated(func, tensors, leaves, tree, unsupported, _failed)
 
 
 def _wrap(out, decision: Decision):
@@ -814,7 +816,7 @@ def decision_for(func, args, kwargs) -> tuple[str, list[DTensor], Decision]:
     if handler is None:  # no rule: run on replicated inputs
         if fallback.is_strict():
             raise unsupported(func, strict=True)
-        handler = Handler(fallback.all_replicated, _no_params, None, fallback.name_of(func))
+        handler = Handler(fallback.all_replicated, no_params, None, fallback.name_of(func))
     if handler.rule is None and handler.explained_as is not None:
         func = handler.explained_as
         handler = _HANDLERS[func]
