@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from ._simulated.functorch import current_level, transforms_active
+from ._functorch import current_level, transforms_active
 
 __all__ = ["apply", "compilable", "Collective", "differentiated"]
 

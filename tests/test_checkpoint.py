@@ -376,7 +376,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, whe
     target = {
         "writing data": (dcp.FileSystemWriter, "write_data"),
         "writing metadata": (dcp.FileSystemWriter, "finish"),
-        "the manifest": (ckpt, "_write_json"),
+        "the manifest": (ckpt, "write_json"),
     }[where]
     monkeypatch.setattr(*target, fail)
     with pytest.raises((fd.CheckpointError, OSError), match="disk full"):

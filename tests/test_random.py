@@ -19,8 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
-from functional_dtensor import _philox, _philox_native
-from functional_dtensor import random as fdr
+from functional_dtensor import _philox, _philox_native, _random_draws
 from functional_dtensor.testing import strategies as fds
 
 KEY = fd.random.key(2026)
@@ -93,7 +92,7 @@ KINDS = [
 
 
 def native_draw(kind, dtype, key, start, n, param):
-    draw = fdr._Draw(kind, dtype, param)
+    draw = _random_draws.Draw(kind, dtype, param)
     out = torch.empty(n, dtype=draw.buffer)
     k = tuple(int(w) for w in key.tolist())
     runs = (torch.tensor([start]), torch.tensor([0]), torch.tensor([n]))

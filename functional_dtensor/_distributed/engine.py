@@ -15,8 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _autograd as autograd
+from .._functorch import current_level, level_of, transforms_active
 from .._op_args import replace_inputs, tensors_of
-from .._simulated.functorch import current_level, level_of, transforms_active
 from . import kernels
 
 __all__ = ["run_per_device", "apply", "apply_to_storage", "axis_index", "run_op", "ops_mode", "leave"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .functorch import add_batch_dim, below_current_level, level_of, unwrap_batched
+from .._functorch import add_batch_dim, below_current_level, level_of, unwrap_batched
 
 __all__ = ["by_rule", "BatchingRules"]
 

@@ -19,11 +19,7 @@ import torch
 from .. import _autograd as autograd
 from .._cache import cached
 from .._errors import BatchedFunctionError, FunctionalDTensorError, explain
-from .._op_args import replace_inputs, tensors_of
-from .._varying import axes_varying
-from . import kernels
-from .batching import BatchingRules, by_rule
-from .functorch import (
+from .._functorch import (
     add_batch_dim,
     batched_at,
     below_current_level,
@@ -32,6 +28,10 @@ from .functorch import (
     over_devices,
     remove_batch_dim,
 )
+from .._op_args import replace_inputs, tensors_of
+from .._varying import axes_varying
+from . import kernels
+from .batching import BatchingRules, by_rule
 
 __all__ = [
     "run_per_device",

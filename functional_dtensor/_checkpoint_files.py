@@ -1,0 +1,173 @@
+"""A checkpoint's directory (:mod:`functional_dtensor.checkpoint`): files, checksums and the
+manifest that records them, the atomic move into place, and the check of every file against
+the manifest before a load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ._checkpoint_processes import gathered, rank_and_world
+from ._errors import CheckpointError, explain
+
+__all__ = [
+    "MANIFEST",
+    "FORMAT",
+    "VERSION",
+    "digest",
+    "checksum",
+    "remove",
+    "siblings",
+    "check_target",
+    "move_into_place",
+    "write_json",
+    "read_manifest",
+    "verify_files",
+]
+
+#: the manifest's file name inside a checkpoint directory
+MANIFEST = "fd_checkpoint.json"
+FORMAT = "functional_dtensor.checkpoint"
+VERSION = 1
+
+
+def digest(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checksum(manifest: dict) -> str:
+    """The SHA-256 of a manifest's content (its own checksum left out)."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd_ = os.open(path, os.O_RDONLY)
+    except OSError:  # a platform without directory descriptors
+        return
+    try:
+        os.fsync(fd_)
+    finally:
+        os.close(fd_)
+
+
+def siblings(path: Path) -> tuple[Path, Path]:
+    """The temporary directory a save writes into, and where the previous checkpoint waits
+    while the new one moves into place."""
+    return path.parent / f".{path.name}.saving", path.parent / f".{path.name}.previous"
+
+
+def check_target(path: Path, api: str) -> None:
+    """Refuse to replace something that is not a checkpoint (a file, a directory of other files)."""
+    if not path.exists() or (path.is_dir() and ((path / MANIFEST).exists() or not any(path.iterdir()))):
+        return
+    raise CheckpointError(
+        explain(
+            f"{api}(path={str(path)!r})",
+            "the path holds something that is not a checkpoint",
+            expected="a new path, an empty directory or a checkpoint to replace",
+            got="a file" if not path.is_dir() else "a directory without " + MANIFEST,
+            fix="choose another path, or remove what is there",
+        )
+    )
+
+
+def move_into_place(tmp: Path, path: Path) -> None:
+    """``tmp`` becomes ``path``; the checkpoint there before is removed once it has."""
+    _, previous = siblings(path)
+    remove(previous)
+    if path.exists():
+        os.replace(path, previous)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    remove(previous)
+
+
+def write_json(file: Path, content: dict) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(path: Path, api: str) -> dict:
+    where = f"{api}({str(path)!r})"
+    file = path / MANIFEST
+    if not file.is_file():
+        _, previous = siblings(path)
+        if not path.exists():
+            what, got = "no checkpoint at this path", "nothing there"
+            fix = "check the path"
+            if previous.exists():
+                got += f", but {previous.name} beside it"
+                fix = f"a save was interrupted while replacing the checkpoint: load {previous}"
+        else:
+            what, got = f"the checkpoint has no manifest ({MANIFEST})", "a directory without it"
+            fix = (
+                "load a checkpoint written by fd.checkpoint.save (the manifest is written last: "
+                "a save that did not finish has none)"
+            )
+        raise CheckpointError(explain(where, what, expected=f"a directory with {MANIFEST}", got=got, fix=fix))
+    try:
+        manifest = json.loads(file.read_text("utf-8"))
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}")
+        if manifest.get("checksum") != checksum(manifest):
+            raise ValueError("its SHA-256 differs from the one written")
+        return manifest
+    except (ValueError, AttributeError) as error:
+        raise CheckpointError(
+            explain(
+                where,
+                f"the manifest {file} is not readable",
+                expected=f"the JSON manifest of fd.checkpoint (format {FORMAT!r})",
+                got=f"{type(error).__name__}: {error}",
+                fix="the checkpoint is corrupted: load an older one",
+            )
+        ) from None
+
+
+def _file_problem(path: Path, name: str, expected: dict) -> str | None:
+    file = path / name
+    if not file.is_file():
+        return f"{file} is missing"
+    size = file.stat().st_size
+    if size != expected["bytes"]:
+        state = "truncated" if size < expected["bytes"] else "longer than written"
+        return f"{file} is {state}: {size} bytes, written {expected['bytes']}"
+    if digest(file) != expected["sha256"]:
+        return f"{file} is corrupted: its SHA-256 differs from the one written"
+    return None
+
+
+def verify_files(path: Path, manifest: dict, collective: bool, api: str) -> None:
+    """Every file the manifest lists, checked (split over the ranks)."""
+    rank, world = rank_and_world(collective)
+    names = sorted(manifest["files"])
+    mine = [p for n in names[rank::world] if (p := _file_problem(path, n, manifest["files"][n]))]
+    problems = [p for part in gathered(mine, collective) for p in part]
+    if problems:
+        raise CheckpointError(
+            explain(
+                f"{api}({str(path)!r})",
+                problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                expected="every file as the manifest records it (size and SHA-256)",
+                got="; ".join(problems),
+                fix="the checkpoint is damaged: load an older one, or save again",
+            )
+        )

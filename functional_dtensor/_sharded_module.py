@@ -1,0 +1,363 @@
+"""A module laid out on a mesh: :class:`ShardedModule`, its parameters as ``fd.DTensor`` and
+its own forward as a pure function, built from per-module styles (:func:`fd.parallelize_module`)
+or per-parameter layouts (:func:`fd.distribute_module`).
+
+:func:`build_sharded_module` lays out every parameter and buffer (the tensor-parallel styles of
+the module holding it, then the :class:`~._styles.FullyShard` above it), and copies the module
+without its tensors; forward hooks on that copy make the styles' layout changes at module
+boundaries and gather the ``FullyShard`` parameters; ``apply`` puts the parameters in place
+for the call only.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import nn
+
+from . import _varied as varied
+from ._dtensor import DTensor, distribute_tensor, new_value, storage_of
+from ._errors import InputTypeError, LayoutError, explain
+from ._layout import Layout
+from ._mesh import DeviceMesh
+from ._placements import Partial, Placement, Replicate, Shard
+from ._public import public
+from ._redistribute import gather_varied, redistribute
+from ._shard_map import NAMESPACE
+from ._spec import P
+from ._styles import FullyShard, ReplicateParallel
+
+__all__ = ["ShardedModule", "build_sharded_module"]
+
+
+@public
+class ShardedModule(NamedTuple):
+    """A module laid out on a mesh: ``params`` (a dict of ``fd.DTensor`` by parameter name, its
+    trainable state) and ``apply(params, *inputs, **kwargs)``, the module's forward on them.
+    Unpacks as ``params, apply = fd.parallelize_module(...)``."""
+
+    params: dict[str, DTensor]
+    apply: Callable[..., Any]
+
+
+def _entries(spec_entries: list, dim: int, axis: str) -> None:
+    current = spec_entries[dim]
+    names = () if current is None else (current,) if isinstance(current, str) else tuple(current)
+    spec_entries[dim] = axis if not names else (*names, axis)
+
+
+def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> ShardedModule:
+    """``module`` laid out on ``mesh``: by ``styles_of`` (module name -> its styles), or by
+    ``layouts`` (parameter name -> layout) where not None; ``root_fns`` is None or the
+    ``(input_fn, output_fn)`` of the root module; ``api`` names the caller in errors."""
+    # every parameter and buffer, by identity, with the first name it has (as named_parameters)
+    params: dict[str, torch.Tensor] = {}
+    # its places: (module name, attribute) pairs (a tied weight has several)
+    bindings: dict[str, list[tuple[str, str]]] = {}
+    owner: dict[str, str] = {}  # parameter name -> the name of the module holding it first
+    first_name: dict[int, str] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for attr, tensor in getattr(sub, kind).items():
+                if tensor is None:
+                    continue
+                name = first_name.setdefault(id(tensor), f"{mod_name}.{attr}" if mod_name else attr)
+                if name not in bindings:
+                    bindings[name] = []
+                    params[name] = tensor
+                    owner[name] = mod_name
+                bindings[name].append((mod_name, attr))
+    trainable = {name for name, t in params.items() if isinstance(t, nn.Parameter)}
+
+    # layouts: tensor-parallel styles of the owning module, then the FullyShard above it
+    fsdp_units: dict[str, str] = {}  # module name -> its FullyShard axis
+    for mod_name, styles in styles_of.items():
+        for style in styles:
+            if isinstance(style, FullyShard):
+                fsdp_units[mod_name] = style.axis
+    specs: dict[str, Layout] = {}
+    managed: dict[str, list[str]] = {}  # FullyShard module -> the parameters it gathers
+    modules = dict(module.named_modules(remove_duplicate=False))
+    for name, tensor in params.items():
+        if layouts is not None:
+            specs[name] = layouts.get(name) or Layout(mesh, (Replicate(),) * mesh.ndim)
+            continue
+        entries: list = [None] * tensor.dim()
+        mod_name = owner[name]
+        attr = name.rsplit(".", 1)[-1]
+        for style in styles_of.get(mod_name, ()):
+            if isinstance(style, FullyShard):
+                continue
+            dim = style.param_dims(modules[mod_name], attr) if name in trainable else None
+            if dim is not None:
+                _entries(entries, dim % tensor.dim(), style.axis)
+        if name in trainable and tensor.dim() > 0:
+            unit = _unit_of(mod_name, fsdp_units)
+            if unit is not None:
+                _entries(entries, 0, fsdp_units[unit])
+                managed.setdefault(unit, []).append(name)
+        specs[name] = Layout.from_spec(mesh, P(*entries), where=f"{api} (parameter {name!r})")
+    # data-parallel replication: the parameters under a ReplicateParallel, replicated over its
+    # axis, have their gradients summed over it in one all-reduce per step
+    replicated_over: dict[str, list[str]] = {}
+    for mod_name, styles in styles_of.items():
+        for style in styles:
+            if isinstance(style, ReplicateParallel):
+                for name in (n for n in params if n in trainable):  # one order on every rank
+                    owned = owner[name]
+                    inside = mod_name in ("", owned) or owned.startswith(f"{mod_name}.")
+                    index = mesh.axis_names.index(style.axis)
+                    chosen = replicated_over.setdefault(style.axis, [])
+                    if inside and specs[name].placements[index].is_replicate() and name not in chosen:
+                        chosen.append(name)
+
+    values = {}
+    for name, tensor in params.items():
+        value = distribute_tensor(tensor.detach(), mesh, specs[name], copy=True)
+        storage = storage_of(value).detach()
+        if name in trainable:
+            storage = storage.requires_grad_(tensor.requires_grad)
+        values[name] = new_value(storage, value.sharding, value.shape)
+    sharded_params = {name: values[name] for name in params if name in trainable}
+    buffers = {name: values[name] for name in params if name not in trainable}
+
+    skeleton = _skeleton(module, params)
+    skel_modules = dict(skeleton.named_modules(remove_duplicate=False))
+    places = {name: [(skel_modules[m], attr) for m, attr in pairs] for name, pairs in bindings.items()}
+    _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns)
+    apply = _Apply(skeleton, mesh, places, set(sharded_params), buffers, replicated_over)
+    return ShardedModule(sharded_params, apply)
+
+
+def _unit_of(mod_name: str, units: dict[str, str]) -> str | None:
+    """The nearest module at or above ``mod_name`` with a FullyShard."""
+    parts = mod_name.split(".") if mod_name else []
+    for cut in range(len(parts), -1, -1):
+        candidate = ".".join(parts[:cut])
+        if candidate in units:
+            return candidate
+    return None
+
+
+def _skeleton(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of ``module`` without its parameters and buffers (set per call by ``apply``)."""
+    memo = {id(t): None for t in tensors.values()}
+    return copy.deepcopy(module, memo)
+
+
+def _on_axis(x, mesh: DeviceMesh, axis: str, placement: Placement | None, where: str):
+    """``x`` with ``placement`` on mesh axis ``axis`` (others kept); a plain tensor becomes a
+    replicated value first; anything else passes."""
+    if placement is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        x = distribute_tensor(x, mesh, (Replicate(),) * mesh.ndim)
+    if not isinstance(x, DTensor):
+        return x
+    index = mesh.axis_names.index(axis)
+    if isinstance(placement, Shard) and placement.dim < 0:
+        placement = Shard(placement.dim % max(x.ndim, 1))
+    current = x.placements
+    if current[index] == placement:
+        return x
+    if isinstance(placement, Partial):
+        raise LayoutError(
+            explain(
+                where,
+                "a style cannot make a value Partial",
+                expected="Shard or Replicate",
+                got=str(placement),
+                fix="name a Shard or Replicate placement (a Partial output comes from the op itself)",
+            )
+        )
+    wanted = (*current[:index], placement, *current[index + 1 :])
+    if isinstance(current[index], Shard) and placement.is_replicate() and x.requires_grad:
+        # a sequence-parallel gather: varied over the axis (see ._varied), so that the
+        # gradients of its uses are summed on each device and reduce-scattered once, as
+        # Megatron's; a plain gather would sum each use's gradient in an all-reduce
+        return gather_varied(x, wanted, (axis,))
+    return redistribute(x, wanted)
+
+
+def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None:
+    modules = dict(skeleton.named_modules(remove_duplicate=False))
+    for mod_name, styles in styles_of.items():
+        sub = modules[mod_name]
+        for style in styles:
+            where = f"{type(style).__name__} on module {mod_name or 'the root'!r}"
+            wanted_in = style.inputs(sub)
+            if wanted_in is not None:
+                sub.register_forward_pre_hook(_input_hook(mesh, style.axis, wanted_in, where))
+            wanted_out = style.outputs(sub)
+            if wanted_out is not None:
+                sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
+    for unit, names in managed.items():
+        axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
+        modules[unit].register_forward_pre_hook(_gather_hook(names, places, mesh, axis))
+    if root_fns is not None:
+        input_fn, output_fn = root_fns
+        if input_fn is not None:
+            skeleton.register_forward_pre_hook(lambda m, inputs: _as_args(input_fn(m, inputs, mesh)))
+        if output_fn is not None:
+            skeleton.register_forward_hook(lambda m, inputs, out: output_fn(m, out, mesh))
+
+
+def _as_args(value):
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _input_hook(mesh, axis, wanted, where):
+    def hook(module, inputs):
+        return tuple(
+            _on_axis(x, mesh, axis, wanted[i] if i < len(wanted) else None, where)
+            for i, x in enumerate(inputs)
+        )
+
+    return hook
+
+
+def _output_hook(mesh, axis, wanted, where):
+    def hook(module, inputs, output):
+        if isinstance(output, tuple):
+            return tuple(
+                _on_axis(x, mesh, axis, wanted[i] if i < len(wanted) else None, where)
+                for i, x in enumerate(output)
+            )
+        return _on_axis(output, mesh, axis, wanted[0], where)
+
+    return hook
+
+
+def _gather_hook(names, places, mesh, axis):
+    """Before a FullyShard module's forward: its parameters, gathered over the data axis,
+    replace the sharded ones for this call (their gradients flow back to the shards). Those
+    whose blocks have one shape on every device go in one all-gather (their gradients in one
+    reduce-scatter), the others one by one."""
+
+    def hook(module, inputs):
+        values = {}
+        for name in names:
+            sub, attr = places[name][0]
+            value = sub._parameters[attr]
+            if isinstance(value, DTensor):
+                values[name] = value
+        even = [n for n, v in values.items() if _even_on_dim0(v)]
+        storages = varied.gather_unit([storage_of(values[n]) for n in even], mesh, axis)
+        gathered = {
+            n: new_value(s, _gathered(values[n].sharding), values[n].shape) for n, s in zip(even, storages)
+        }
+        for name, value in values.items():
+            if name not in gathered:
+                gathered[name] = gather_varied(value, _gathered(value.sharding), (axis,))
+            for sub, attr in places[name]:
+                sub._parameters[attr] = gathered[name]
+
+    return hook
+
+
+def _even_on_dim0(value: DTensor) -> bool:
+    """Whether every device's block of ``value`` has the same length along dim 0."""
+    first = value.sharding.spec[0]
+    names = (first,) if isinstance(first, str) else tuple(first)
+    return value.shape[0] % value.device_mesh.axis_size(names) == 0
+
+
+def _gathered(layout: Layout) -> Layout:
+    """``layout`` with its dim-0 entry's last (minor) axis replicated: a FullyShard gather."""
+    entries = list(layout.spec)
+    first = entries[0]
+    names = (first,) if isinstance(first, str) else tuple(first)
+    entries[0] = None if len(names) == 1 else names[0] if len(names) == 2 else names[:-1]
+    return Layout.from_spec(layout.mesh, P(*entries))
+
+
+class _Apply:
+    """``apply(params, *args, **kwargs)``: the module's forward with ``params`` (and the
+    module's buffers, replicated) in place of its tensors, for the call only."""
+
+    def __init__(self, skeleton, mesh, places, names, buffers, replicated_over) -> None:
+        self._skeleton = skeleton
+        self._mesh = mesh
+        self._replicated_over = replicated_over
+        self._places = places
+        self._names = frozenset(names)
+        self._buffers = buffers
+        self._lock = threading.RLock()
+        self.__name__ = f"apply_{type(skeleton).__name__}"
+        self.__qualname__ = self.__name__
+
+    def __repr__(self) -> str:
+        return f"<pure forward of {type(self._skeleton).__name__} ({len(self._names)} parameters)>"
+
+    @property
+    def buffers(self) -> dict[str, DTensor]:
+        """The module's buffers, replicated on the mesh (constants of ``apply``)."""
+        return dict(self._buffers)
+
+    def _invariant(self, value):
+        if isinstance(value, DTensor) and varied.axes_of(storage_of(value)):
+            return new_value(varied.invariant(storage_of(value), self._mesh), value.sharding, value.shape)
+        return value
+
+    def _check(self, params) -> None:
+        where = "fd.ShardedModule.apply(params)"
+        if not isinstance(params, Mapping):
+            raise InputTypeError(
+                explain(
+                    where,
+                    "params is the dict of fd.DTensor the sharded module was made with",
+                    expected="a dict {parameter name: fd.DTensor}",
+                    got=type(params).__name__,
+                    fix="pass model.params, or the dict an fd.Optimizer step returned",
+                )
+            )
+        if params.keys() != self._names:
+            missing, extra = sorted(self._names - params.keys()), sorted(params.keys() - self._names)
+            raise InputTypeError(
+                explain(
+                    where,
+                    "params must name every parameter of the module, and only those",
+                    expected=f"{len(self._names)} parameters",
+                    got=f"missing {missing}, unknown {extra}",
+                    fix="pass the full dict (model.params or an optimizer step's result)",
+                )
+            )
+        for name, value in params.items():
+            if not isinstance(value, DTensor):
+                raise InputTypeError(
+                    explain(
+                        f"{where}[{name!r}]",
+                        "a sharded module's parameters are fd.DTensor values",
+                        expected="an fd.DTensor",
+                        got=type(value).__name__,
+                        fix="keep the values parallelize_module returned (or the optimizer's)",
+                    )
+                )
+
+    def __call__(self, params, *args, **kwargs):
+        self._check(params)
+        with self._lock, varied.scope():
+            params = dict(params)
+            for axis, names in self._replicated_over.items():
+                storages = varied.vary_all([storage_of(params[n]) for n in names], self._mesh, (axis,))
+                for name, storage in zip(names, storages):
+                    params[name] = new_value(storage, params[name].sharding, params[name].shape)
+            for source in (params, self._buffers):
+                for name, value in source.items():
+                    for sub, attr in self._places[name]:
+                        table = sub._parameters if attr in sub._parameters else sub._buffers
+                        table[attr] = value
+            try:
+                out = self._skeleton(*args, **kwargs)
+                # a value leaving the forward varied is made invariant (a loss computed inside)
+                return optree.tree_map(self._invariant, out, namespace=NAMESPACE)
+            finally:
+                for name in self._places:
+                    for sub, attr in self._places[name]:
+                        table = sub._parameters if attr in sub._parameters else sub._buffers
+                        table[attr] = None
