@@ -43,7 +43,6 @@ from ._explain import OpReport, PlanReport, explain_redistribute
 from ._explain import explain_op as explain
 from ._factories import empty, full, ones, zeros
 from ._fallback import strict_ops
-from ._global_ops import register_sharding
 from ._interop import from_torch, to_torch
 from ._layout import Layout
 from ._local_map import local_map
@@ -68,6 +67,7 @@ from ._ring_attention import context_parallel, context_parallel_attention, ring_
 from ._shard_map import shard_map
 from ._spec import P
 from ._surface import install as _install_surface  # noqa: F401  (torch ops, operators, methods)
+from ._user_rules import register_sharding
 from ._visualize import ShardingPicture, sharding_picture, visualize_sharding  # and the HTML reprs
 from .random import rand, randn
 

@@ -28,16 +28,19 @@ import torch
 from . import _comm_log as comm_log
 from ._distributed import engine as distributed_engine
 from ._distributed import kernels as distributed_kernels
+from ._distributed import runtime as distributed_runtime
 from ._distributed import storage as distributed_storage
 from ._errors import InputTypeError, LayoutError, ShapeError, explain
+from ._functorch import current_level, is_transformed, memory_of
 from ._layout import Layout
 from ._mesh import DeviceMesh
+from ._op_args import quiet_if
 from ._placements import Partial, Shard
 from ._sharding import check_rank, global_shape_of_local, shard_table
+from ._simulated import batched as simulated_batched
 from ._simulated import engine as simulated_engine
 from ._simulated import kernels as simulated_kernels
 from ._simulated import storage as simulated_storage
-from ._simulated.functorch import current_level, is_transformed, memory_of
 
 __all__ = ["Backend", "backend_of", "current_level", "is_transformed", "memory_of"]
 
@@ -50,6 +53,8 @@ class Backend:
     ):
         self.name = name
         self.stacked = stacked  # storage carries a leading dim over this process's devices
+        # every device of a mesh runs in this process (collectives run where the values lie)
+        self.one_process = stacked
         # a value the same on every device may be held once, not per device
         self.holds_replicas_once = stacked
         self._storage, self._kernels, self._engine = storage, kernels, engine
@@ -128,6 +133,10 @@ class Backend:
         """The dims before a block's own in storage form (the device dim, when stacked)."""
         return 1 if self.stacked else 0
 
+    def block_dim(self, dim: int) -> int:
+        """The storage dim of dim ``dim`` (counted from 0) of a device's block."""
+        return self._lead + dim
+
     def reduce_broadcast(self, x, mesh: DeviceMesh, a: int, b: int, op: str):
         """Partial(op) on mesh axis ``a`` and Shard on axis ``b`` (equal sizes) -> Shard on
         ``a`` and Replicate on ``b``: a reduce to the diagonal, a broadcast from it."""
@@ -145,6 +154,26 @@ class Backend:
     def partition(self, x, mesh: DeviceMesh, axes: tuple[str, ...], op: str):
         """Each device's part of a value replicated along ``axes``, to be reduced by ``op``."""
         return self._kernels.partition(x, mesh, axes, op)
+
+    # --- global ops' local forms -------------------------------------------------------------
+
+    def run_local(self, local, batched: str | None, func, args, kwargs, ctx, storages=None):
+        """An op's local form ``local(func, args, kwargs, ctx)`` -- plain torch on one device's
+        block -- on this process's storage: on the distributed backend on this rank's shard; on
+        the simulated one by its ``batched`` form on every device's block at once, or device by
+        device (:mod:`._simulated.batched`). ``storages``: the inputs' storages among the
+        arguments, in the decision's order (None: every tensor among ``args``)."""
+        if self.stacked:
+            return simulated_batched.run_local(local, batched, func, args, kwargs, ctx, storages)
+        if ctx.even:
+            return local(func, args, kwargs, ctx)
+        empty = any([isinstance(a, torch.Tensor) and not a.numel() for a in (*args, *kwargs.values())])
+        return quiet_if(empty, local, func, args, kwargs, ctx)
+
+    def device_index(self, mesh: DeviceMesh) -> int | None:
+        """The device (flat mesh index) whose block a local form runs on: this rank's on the
+        distributed backend; None on the simulated one, which runs it on every device's."""
+        return None if self.stacked else distributed_runtime.device_index(mesh)
 
     # --- storage ----------------------------------------------------------------------------
 

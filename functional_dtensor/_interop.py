@@ -162,7 +162,7 @@ def _unrepresentable(placements, where: str) -> LayoutError:
 def _torch_mesh(mesh: DeviceMesh, where: str):
     """The torch mesh of ``mesh``: on the distributed backend the one fd's collectives run on;
     on the simulated backend one over the ranks of a ``"fake"`` default process group."""
-    if not backend_of(mesh).stacked:
+    if not backend_of(mesh).one_process:
         return runtime.torch_mesh(mesh)
     if mesh.device_ids != tuple(range(mesh.size)):
         raise MeshError(
@@ -298,7 +298,7 @@ def to_torch(x, /, *, copy: bool = True):
     torch_mesh = _torch_mesh(mesh, f"{api}(x.device_mesh)")
     placements = torch_placements(layout)
     stride = _contiguous_stride(shape)
-    if not backend_of(mesh).stacked:
+    if not backend_of(mesh).one_process:
         local = x.to_local()
         local = local.clone() if copy else local
         return TorchDTensor.from_local(
@@ -350,7 +350,7 @@ def from_torch(t, /, *, copy: bool = True):
         shard_order = spec.shard_order
     layout = layout_from_torch(mesh, t.placements, t.dim(), shard_order=shard_order, where=api)
     shape = tuple(t.shape)
-    if not backend_of(mesh).stacked:
+    if not backend_of(mesh).one_process:
         return from_local(t.to_local(), mesh, layout, shape=shape, copy=copy)
     local = t.to_local()
     shards = getattr(local, "_local_tensors", None)

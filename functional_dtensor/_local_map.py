@@ -223,7 +223,7 @@ def _call(m: _LocalMap, args: tuple, kwargs: dict):
         inputs.append(value)
     backend = backend_of(mesh)
     run = _run_distributed
-    if backend.stacked:
+    if backend.one_process:
         even = all(
             [shard_table(v.sharding, tuple(v.shape)).is_even for v in inputs if isinstance(v, DTensor)]
         )

@@ -1,12 +1,15 @@
-"""The tensors among a torch op's arguments (as a torch-function mode receives them)."""
+"""The tensors among a torch op's arguments (as a torch-function mode receives them), and an op
+run on a device's blocks."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from ._cache import cached
 
-__all__ = ["tensors_of", "replace_inputs", "written_tensors"]
+__all__ = ["tensors_of", "replace_inputs", "written_tensors", "quiet_if"]
 
 
 def tensors_of(args, kwargs) -> list[torch.Tensor]:
@@ -69,3 +72,13 @@ def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     elif isinstance(out, (tuple, list)):
         written += [t for t in out if isinstance(t, torch.Tensor)]
     return written
+
+
+def quiet_if(empty: bool, local, func, args, kwargs, ctx):
+    """``local`` on a device's blocks; where one is empty, without torch's warnings about it
+    (``var`` of no elements): on one device the op sees the whole value, and warns of nothing."""
+    if not empty:
+        return local(func, args, kwargs, ctx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return local(func, args, kwargs, ctx)

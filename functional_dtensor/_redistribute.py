@@ -364,7 +364,7 @@ def _run(step: Step, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         if len(step.axes) == 1:  # the blocks of one axis, concatenated along the dim it splits
             return backend.all_gather(x, mesh, names, step.source.placements[step.axes[0]].dim, True)
         gathered = backend.all_gather(x, mesh, names, 0, False)  # (k, *local), k over names, major first
-        return _merge_blocks(gathered, step, 1 if backend.stacked else 0)
+        return _merge_blocks(gathered, step, backend.block_dim(0))
     if isinstance(step, AllReduce):
         return backend.all_reduce(x, mesh, names, step.op)
     if isinstance(step, ReduceScatter):  # an uneven dim: padded to a multiple of the group

@@ -38,8 +38,9 @@ from ._collectives import axis_index, ppermute
 from ._context import frame_for
 from ._dtensor import DTensor
 from ._errors import AxisNameError, InputTypeError, LayoutError, MeshError, ShapeError, explain
-from ._global_ops import Handler, dispatch, register, resolved
+from ._global_ops import dispatch
 from ._mesh import DeviceMesh
+from ._op_decisions import Handler, register, resolved
 from ._shard_map import shard_map
 from ._spec import P
 from .ops import nn as _ops_nn  # noqa: F401  (registers attention's own handler, which the context stands in for)

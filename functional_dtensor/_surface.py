@@ -16,7 +16,8 @@ import torch
 
 from ._dtensor import DTensor, from_local, storage_of
 from ._errors import InputTypeError, UnsupportedAttributeError, explain
-from ._global_ops import dispatch, resolved
+from ._global_ops import dispatch
+from ._op_decisions import resolved
 from .ops import getitem
 
 __all__ = ["install"]

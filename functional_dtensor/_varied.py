@@ -99,7 +99,7 @@ class _VaryAll(torch.autograd.Function):
     def backward(ctx, *grads):
         backend = backend_of(ctx.mesh)
         present = [g for g in grads if g is not None]
-        if backend.stacked and not any([g.requires_grad for g in present]):
+        if backend.one_process and not any([g.requires_grad for g in present]):
             # one process: each gradient summed where it lies (no concatenation to copy, no copy
             # of a transposed gradient), recorded as the one bucketed all-reduce of the ranks
             _count_bucket("all_reduce", present, ctx.mesh, ctx.axes)
@@ -107,7 +107,7 @@ class _VaryAll(torch.autograd.Function):
                 None if g is None else backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False) for g in grads
             ]
             return (None, None, *summed)
-        lead = 1 if backend.stacked else 0
+        lead = backend.block_dim(0)
         out = list(grads)
         for indices in _by_dtype(grads):
             parts = [grads[i] for i in indices]
@@ -165,7 +165,7 @@ def _by_dtype(tensors) -> list[list[int]]:
 
 def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
     backend, size = backend_of(mesh), mesh.axis_size((axis,))
-    if backend.stacked:  # one process: each where it lies, recorded as the ranks' one collective
+    if backend.one_process:  # each where it lies, recorded as the ranks' one collective
         _count_bucket("all_gather", storages, mesh, (axis,))
         return [backend.all_gather(s, mesh, (axis,), 0, True, counted=False) for s in storages]
     out: list[torch.Tensor] = list(storages)
@@ -183,7 +183,7 @@ def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list
 
 def _scattered(grads: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
     backend, size = backend_of(mesh), mesh.axis_size((axis,))
-    if backend.stacked:
+    if backend.one_process:
         _count_bucket("reduce_scatter", grads, mesh, (axis,))
         return [backend.reduce_scatter(g, mesh, (axis,), 0, True, counted=False) for g in grads]
     out: list[torch.Tensor] = list(grads)

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "functional_dtensor"
 #: stands for every module of a subpackage)
 FLOORS = {
     "records": ["_public", "_cache", "_errors", "_log", "_placements", "_spec", "_mesh", "_layout"],
-    "math": ["_sharding", "_blocks", "_plan", "_philox", "_philox_native", "_rules"],
+    "math": ["_sharding", "_blocks", "_plan", "_philox", "_philox_native", "_rules", "_functorch"],
     "backends": [
         "_simulated.*",
         "_distributed.*",
@@ -30,7 +30,15 @@ FLOORS = {
         "_backend",
     ],
     "collectives": ["_context", "_collectives"],
-    "values": ["_dtensor", "_factories", "random"],
+    "values": [
+        "_layout_checks",
+        "_global_storage",
+        "_dtensor_core",
+        "_dtensor",
+        "_factories",
+        "_random_draws",
+        "random",
+    ],
     "transformations": [
         "_tracking",
         "_varied",
@@ -38,9 +46,13 @@ FLOORS = {
         "_redistribute",
         "_local_map",
         "_fallback",
+        "_op_decisions",
         "_global_ops",
+        "_user_rules",
         "ops.*",
         "_surface",
+        "_styles",
+        "_sharded_module",
         "_parallelize",
         "_optim",
         "_ring_attention",
@@ -49,6 +61,10 @@ FLOORS = {
         "_explain",
         "_visualize",
         "_comm_debug",
+        "_checkpoint_leaves",
+        "_checkpoint_processes",
+        "_checkpoint_dcp",
+        "_checkpoint_files",
         "checkpoint",
         "_interop",
         "testing.*",
@@ -57,7 +73,7 @@ FLOORS = {
         "__main__",
     ],
 }
-FUNCTORCH_HOME = "_simulated.functorch"
+FUNCTORCH_HOME = "_functorch"
 BACKEND_HOME = "_backend"
 
 
@@ -155,7 +171,7 @@ def test_functorch_internals_are_imported_in_one_module():
         if module == FUNCTORCH_HOME:
             continue
         source = ast.unparse(tree)
-        for internal in ("_functorch", "_are_functorch_transforms_active"):
+        for internal in ("torch._functorch", "torch._C._functorch", "_are_functorch_transforms_active"):
             assert internal not in source, (
                 f"{module} uses functorch internals ({internal}): go through {FUNCTORCH_HOME}"
             )
@@ -194,6 +210,37 @@ def test_only_the_backend_interface_asks_which_backend_a_mesh_has():
             continue
         asking = [n.lineno for n in ast.walk(tree) if _asks_the_backend(n)]
         assert not asking, f"{module} asks which backend it runs on (lines {asking}): ask {BACKEND_HOME}"
+
+
+#: what a backend's storage form is: whether values are stacked, the dims before a block's own
+STORAGE_FORM = frozenset(["stacked", "lead", "_lead"])
+#: the backends' floor: the only modules that read the storage form
+BACKENDS_FLOOR = list(FLOORS).index("backends")
+
+
+def test_only_the_backends_read_the_storage_form():
+    """Above the backends floor, code is written for one device's block (a global op's local
+    form) or asks the backend (``Backend.run_local``, ``block_dim``): it never reads whether
+    storage is stacked, nor the dims before a block's own."""
+    for module, tree in MODULES.items():
+        if floor_of(module) <= BACKENDS_FLOOR:
+            continue
+        reading = [
+            n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in STORAGE_FORM
+        ]
+        assert not reading, f"{module} reads the storage form (lines {reading}): ask the backend"
+
+
+def test_only_the_backend_interface_imports_the_simulated_backend():
+    """``_simulated/`` is reached through ``_backend`` alone (the distributed backend's public
+    entry points, ``fd.init_device_mesh`` and ``fd.check_collectives``, are exported as they are)."""
+    for module, tree in MODULES.items():
+        if module == BACKEND_HOME or module.split(".")[0] == "_simulated":
+            continue
+        for target, _, line in internal_imports(module, tree):
+            assert target.split(".")[0] != "_simulated", (
+                f"{module}:{line} imports {target}: go through {BACKEND_HOME}"
+            )
 
 
 def _private_definitions(tree: ast.Module) -> set[str]:
@@ -239,10 +286,10 @@ def test_no_module_reads_another_modules_private_names():
 REGISTRIES = {
     "_cache._caches": "one per function decorated with cached",
     "_cache._tables": "one per Bounded table",
-    "_global_ops._HANDLERS": "one handler per torch function with a rule (torch's and users' ops)",
-    "_global_ops._FUNCS": "the same functions, by number",
-    "_global_ops._FUNC_IDS": "the same functions, by number",
-    "_global_ops.GENERIC": "the metadata rules, appended at import",
+    "_op_decisions.HANDLERS": "one handler per torch function with a rule (torch's and users' ops)",
+    "_op_decisions.FUNCS": "the same functions, by number",
+    "_op_decisions.FUNC_IDS": "the same functions, by number",
+    "_op_decisions.GENERIC": "the metadata rules, appended at import",
     "_distributed.kernels._OPTIONS": "one entry per reduce op",
     "_distributed.engine._calls": "the shard_map calls in progress (a stack, popped on return)",
     "_distributed.runtime._timeout": "one entry, read once",
@@ -308,7 +355,7 @@ def test_every_cache_is_bounded():
 
 
 #: modules over the size limit, to be split (the list only shrinks)
-OVERSIZED = {"_global_ops", "checkpoint", "_parallelize", "_dtensor", "random"}
+OVERSIZED: set[str] = set()
 MAX_LINES = 600
 
 

@@ -959,9 +959,9 @@ def test_layer_norm_on_stacked_devices(threshold, monkeypatch):
     """Both forms of a stacked layer norm (the fused op once per device; normalized at once,
     the affine weights applied after): values and derivatives of two orders, with weights
     replicated and sharded like a row of the input."""
-    from functional_dtensor.ops import nn as ops_nn
+    from functional_dtensor._simulated import batched
 
-    monkeypatch.setattr(ops_nn, "PER_DEVICE_KERNEL", threshold)
+    monkeypatch.setattr(batched, "PER_DEVICE_KERNEL", threshold)
     mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
     x, w, b = values((4, 3, 8), 1), values((8,), 2), values((8,), 3)
     layouts = [fd.Layout.from_spec(mesh, spec) for spec in (fd.P("dp"), fd.P(), fd.P())]

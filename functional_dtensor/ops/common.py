@@ -1,5 +1,9 @@
-"""What every family of ops shares: the local forms' helpers (broadcast alignment on stacked
-storage, the padding's gradients), a dim's checks, an op on meta tensors.
+"""What every family of ops shares: the plain local forms, a block's bounds, a dim's checks, an
+op on meta tensors.
+
+A local form ``local(func, args, kwargs, ctx)`` is plain torch on one device's block (``args``
+hold the inputs' blocks, unpadded; ``ctx`` the decision's :class:`.._op_decisions.Context`). A
+handler's ``batched`` names how the simulated backend runs it on every device's block at once.
 """
 
 from __future__ import annotations
@@ -7,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._blocks import valid_mask
 from .._errors import InputTypeError, ShapeError, explain
-from .._global_ops import no_params, refused  # noqa: F401  (no_params: for the families)
+from .._op_decisions import no_params, refused  # noqa: F401  (no_params: for the families)
+from .._sharding import shard_table
 
 __all__: list[str] = []
 
@@ -18,51 +22,8 @@ def plain(func, args, kwargs, ctx):
     return func(*args, **kwargs)
 
 
-def align(args, kwargs, ctx):
-    """On stacked storage, singleton dims after the device dim for inputs of lower rank than
-    the output, so broadcasting aligns tensor dims with tensor dims."""
-    if not ctx.lead or not ctx.align:
-        return args, kwargs
-    ndim = len(ctx.decision.out_shapes[0])
-
-    def align(value):
-        if isinstance(value, torch.Tensor) and 1 <= value.dim() <= ndim:
-            missing = ndim - (value.dim() - 1)
-            return value.reshape(value.shape[:1] + (1,) * missing + value.shape[1:]) if missing else value
-        return value
-
-    return [align(a) for a in args], {k: align(v) for k, v in kwargs.items()}
-
-
-def unpadded_gradients(args, kwargs, ctx):
-    """On stacked uneven blocks, the inputs take no gradient from the output's padding: where
-    the op's derivative is not finite there (``c / y``, ``y``'s padding 0), the zeroed
-    cotangent times it is NaN, which an input broadcast over the padding (or replicated on a
-    device that holds none of the output) would sum into its gradient."""
-    shape = tuple(ctx.decision.out_shapes[0])
-    mask = None
-
-    def guarded(value):
-        nonlocal mask
-        if not (isinstance(value, torch.Tensor) and value.requires_grad):
-            return value
-        if mask is None:
-            mask = valid_mask(ctx.decision.output, shape, str(value.device))
-        return torch.where(mask, value, value.detach())
-
-    return [guarded(a) for a in args], {k: guarded(v) for k, v in kwargs.items()}
-
-
 def elementwise_local(func, args, kwargs, ctx):
-    args, kwargs = align(args, kwargs, ctx)
-    if ctx.lead and ctx.decision.padded[0] and torch.is_grad_enabled():
-        args, kwargs = unpadded_gradients(args, kwargs, ctx)
-    out = func(*args, **kwargs)
-    if ctx.lead and out.dtype != ctx.decision.out_dtypes[0]:
-        # a 0-d value's stacked storage has a dim, so torch's type promotion counted it as a
-        # dimensioned tensor (int64 0-d + int32 vector is int32 on one device)
-        return out.to(ctx.decision.out_dtypes[0])
-    return out
+    return func(*args, **kwargs)
 
 
 def functions(name: str):
@@ -70,8 +31,11 @@ def functions(name: str):
     return [getattr(torch, name, None), getattr(torch.Tensor, name, None), getattr(F, name, None)]
 
 
-def valid(layout, shape, storage):
-    return valid_mask(layout, shape, str(storage.device))
+def block_bounds(ctx, i: int, dim: int) -> tuple[int, int]:
+    """Where the block a local form runs on starts in dim ``dim`` of its ``i``-th input, and its
+    length there."""
+    table = shard_table(ctx.decision.inputs[i], tuple(ctx.decision.call.shapes[i]))
+    return table.offsets[ctx.device][dim], table.local_shapes[ctx.device][dim]
 
 
 def on_meta(func, args, kwargs):

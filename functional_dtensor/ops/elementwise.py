@@ -9,9 +9,9 @@ import torch
 from .. import _rules as rules
 from .._dtensor import DTensor
 from .._errors import InputTypeError, explain
-from .._global_ops import GENERIC, Handler, dispatch, register
-from .._sharding import shard_table
-from .common import align, elementwise_local, functions, no_params, plain, valid
+from .._global_ops import dispatch
+from .._op_decisions import GENERIC, Handler, register
+from .common import elementwise_local, functions, no_params, plain
 
 __all__: list[str] = []
 
@@ -28,49 +28,32 @@ _BINARY = (
 ).split()
 
 
-def _divisor_local(func, args, kwargs, ctx):
-    """``remainder``, ``fmod``, ``div``: an integer divisor's padding (the zeros an uneven shard
-    is padded with on stacked storage) set to one, so that the division does not fail there."""
-    divisor = args[1] if len(args) > 1 else None
-    count = len(ctx.decision.inputs)  # the fd.DTensor inputs (a plain 0-d tensor is none)
-    if (
-        ctx.lead
-        and isinstance(divisor, torch.Tensor)
-        and not (divisor.is_floating_point() or divisor.is_complex())
-        # the divisor is a value's storage: the other operand is one too, or a number or a
-        # plain 0-d tensor (a storage has the device dim)
-        and (count == 2 or not (isinstance(args[0], torch.Tensor) and args[0].dim() >= 1))
-    ):
-        i = count - 1  # the divisor's place among the fd.DTensor inputs
-        layout, shape = ctx.decision.inputs[i], ctx.decision.call.shapes[i]
-        if not shard_table(layout, shape).is_even:
-            args = (args[0], divisor.masked_fill(~valid(layout, shape, divisor), 1), *args[2:])
-    return elementwise_local(func, args, kwargs, ctx)
-
-
 def _gradients(args, kwargs, tensors):
     """Whether some input needs a gradient (a rule's Partial options may depend on it)."""
     return (torch.is_grad_enabled() and any([t.requires_grad for t in tensors]),)
 
 
 def _masked_fill_local(func, args, kwargs, ctx):
-    """``masked_fill`` as ``where``: a value given as an fd.DTensor is, on stacked storage, a
-    vector of every device's value, which masked_fill does not take."""
-    (x, mask, value), _ = align([*args[:2], args[2] if len(args) > 2 else kwargs["value"]], {}, ctx)
+    """``masked_fill`` as ``where``, which takes the value as a tensor of any dims (batched, a
+    value given as an fd.DTensor has one: every device's)."""
+    x, mask, value = *args[:2], args[2] if len(args) > 2 else kwargs["value"]
     return torch.where(mask, value, x).to(x.dtype)
 
 
-_MASKED_FILL = Handler(rules.elementwise, no_params, _masked_fill_local, "masked_fill", False)
+_MASKED_FILL = Handler(
+    rules.elementwise, no_params, _masked_fill_local, "masked_fill", False, batched="elementwise"
+)
 register(functions("masked_fill"), _MASKED_FILL)
 _EXTREMA = {"maximum": rules.extremum(rules.MAX), "minimum": rules.extremum(rules.MIN)}
+_ELEMENTWISE = {"by_value": False, "batched": "elementwise"}
 for _name in _UNARY + _BINARY:
-    local = _divisor_local if _name in ("remainder", "fmod") else elementwise_local
     if _name in _EXTREMA:
-        register(functions(_name), Handler(_EXTREMA[_name], _gradients, local, _name, False, by_grad=True))
+        handler = Handler(_EXTREMA[_name], _gradients, elementwise_local, _name, by_grad=True, **_ELEMENTWISE)
     else:
-        register(functions(_name), Handler(rules.elementwise, no_params, local, _name, False))
+        handler = Handler(rules.elementwise, no_params, elementwise_local, _name, **_ELEMENTWISE)
+    register(functions(_name), handler)
 for _name in ("neg", "negative"):
-    register(functions(_name), Handler(rules.linear, no_params, elementwise_local, _name, False))
+    register(functions(_name), Handler(rules.linear, no_params, elementwise_local, _name, **_ELEMENTWISE))
 
 
 def _operands(args, kwargs) -> list:
@@ -93,7 +76,8 @@ def _sum(call):
 
 for _name in ("add", "sub", "subtract"):
     register(
-        functions(_name), Handler(_sum, _constant_operand, elementwise_local, _name, False, by_grad=True)
+        functions(_name),
+        Handler(_sum, _constant_operand, elementwise_local, _name, by_grad=True, **_ELEMENTWISE),
     )
 
 
@@ -121,11 +105,14 @@ def _product(call):
 
 
 for _name in ("mul", "multiply"):
-    register(functions(_name), Handler(_product, _gradients, elementwise_local, _name, False, by_grad=True))
+    register(
+        functions(_name),
+        Handler(_product, _gradients, elementwise_local, _name, by_grad=True, **_ELEMENTWISE),
+    )
 for _name in ("div", "divide", "true_divide"):
     register(
         functions(_name),
-        Handler(_quotient, _numerator_first, _divisor_local, _name, False, by_grad=True),
+        Handler(_quotient, _numerator_first, elementwise_local, _name, by_grad=True, **_ELEMENTWISE),
     )
 
 
@@ -157,8 +144,7 @@ def _device_type(value) -> str | None:
 
 
 def _conversion_local(func, args, kwargs, ctx):
-    # a global value is laid out as torch.empty(x.shape) is: no memory format of its own (the
-    # stacked storage has a dim more than the formats take)
+    # a global value is laid out as torch.empty(x.shape) is: no memory format of its own
     kwargs = {k: v for k, v in kwargs.items() if k != "memory_format"}
     if func is torch.Tensor.type_as:
         return args[0].to(ctx.decision.out_dtypes[0])
@@ -167,7 +153,7 @@ def _conversion_local(func, args, kwargs, ctx):
 
 register(
     [getattr(torch.Tensor, n) for n in "float double half bfloat16 clone contiguous".split()] + [torch.clone],
-    Handler(rules.linear, _conversion_params, _conversion_local, "to"),
+    Handler(rules.linear, _conversion_params, _conversion_local, "to", batched="leading"),
 )
 
 
@@ -191,17 +177,15 @@ def _to(func, args, kwargs, ctx):
 
 register(
     [_to_on_mesh] + [getattr(torch.Tensor, n) for n in "int long bool type_as".split()],
-    Handler(rules.elementwise, _conversion_params, _conversion_local, "to"),
+    Handler(rules.elementwise, _conversion_params, _conversion_local, "to", batched="leading"),
 )
 register([torch.Tensor.to], Handler(None, no_params, _to, "to"))
-register([torch.Tensor.detach, torch.detach], Handler(rules.linear, no_params, plain, "detach"))
+register(
+    [torch.Tensor.detach, torch.detach], Handler(rules.linear, no_params, plain, "detach", batched="leading")
+)
 
 
 # --- rules from torch's op metadata ------------------------------------------------------------
-
-#: pointwise ops that divide by their second operand (an integer divisor's padding set to one)
-_DIVIDING = frozenset(["floor_divide", "div", "divide", "true_divide", "remainder", "fmod"])
-
 
 #: elementwise ops torch does not tag (DTensor lists them by hand)
 _UNTAGGED = frozenset(["floor_divide"])
@@ -221,8 +205,7 @@ def _pointwise(func) -> Handler | None:
         return None  # several outputs (frexp): not the one output the elementwise form returns
     if any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads):
         return None
-    local = _divisor_local if name in _DIVIDING else elementwise_local
-    return Handler(rules.elementwise, no_params, local, name, False)
+    return Handler(rules.elementwise, no_params, elementwise_local, name, **_ELEMENTWISE)
 
 
 GENERIC.append(_pointwise)

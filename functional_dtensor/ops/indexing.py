@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import _rules as rules
-from .._backend import backend_of, is_transformed
-from .._cache import cached
+from .._backend import is_transformed
 from .._errors import InputTypeError, explain
-from .._global_ops import Handler, register
-from .._sharding import shard_table
+from .._op_decisions import Handler, register
+from .common import block_bounds
 
 __all__: list[str] = []
 
@@ -23,7 +22,7 @@ __all__: list[str] = []
 def _check_indices(indices, total: int, where: str, of: str, ctx) -> None:
     """Indices into a dim of ``total`` are inside it (refused as torch refuses them): a device
     that holds one block of the dim looks up only its own (an index outside it would read as
-    zeros), and the padding of uneven indices holds 0, an index."""
+    zeros)."""
     if torch.compiler.is_compiling() or is_transformed(indices) or not indices.numel():
         return
     if total == 0 or bool(((indices < 0) | (indices >= total)).any()):
@@ -38,26 +37,12 @@ def _check_indices(indices, total: int, where: str, of: str, ctx) -> None:
         )
 
 
-@cached(1024)
-def _block_bounds(layout, shape: tuple[int, ...], dim: int, device: str) -> torch.Tensor:
-    """``(2, n)``: where each device's block of dim ``dim`` starts, and its length."""
-    table = shard_table(layout, shape)
-    return torch.tensor(
-        [[o[dim] for o in table.offsets], [s[dim] for s in table.local_shapes]], device=device
-    )
-
-
-def _into_block(indices, layout, shape: tuple[int, ...], dim: int, size: int, ctx):
-    """Global ``indices`` into dim ``dim`` of a value of global ``shape`` laid out by
-    ``layout``, each device holding a block of ``size`` (in storage, padding included): each
-    device's indices into its own block (clamped into it) and where they fall inside it."""
-    mesh = layout.mesh
-    device = backend_of(mesh).axis_index(mesh, mesh.axis_names, indices.device)
-    start, length = _block_bounds(layout, shape, dim, str(indices.device))[:, device]
-    if ctx.lead:
-        start, length = (t.reshape(-1, *[1] * (indices.dim() - 1)) for t in (start, length))
+def _into_block(indices, ctx, i: int, dim: int):
+    """Global ``indices`` into dim ``dim`` of the ``i``-th input: into the block the local form
+    runs on (clamped into it), and whether each falls inside it."""
+    start, length = block_bounds(ctx, i, dim)
     local = indices - start
-    return local.clamp(0, max(size - 1, 0)), (local >= 0) & (local < length)
+    return local.clamp(0, max(length - 1, 0)), (local >= 0) & (local < length)
 
 
 def _embedding_params(args, kwargs, tensors):
@@ -90,13 +75,12 @@ def _embedding_local(func, args, kwargs, ctx):
     if math.prod(ctx.decision.call.shapes[0]):
         _check_indices(indices, total, "torch.embedding(input)", f"a table of {total} rows", ctx)
     if not layout.sharding_axes(0):
-        picked = F.embedding(indices, table) if not ctx.lead else _stacked_embedding(indices, table)
-    elif not ctx.lead and table.shape[0] == 0:  # a rank that holds none of the rows
+        picked = F.embedding(indices, table)
+    elif table.shape[0] == 0:  # a device that holds none of the rows
         picked = table.new_zeros(*indices.shape, table.shape[1])
     else:
-        local, inside = _into_block(indices, layout, ctx.decision.call.shapes[1], 0, table.shape[-2], ctx)
-        picked = _stacked_embedding(local, table) if ctx.lead else F.embedding(local, table)
-        picked = picked * inside.unsqueeze(-1)
+        local, inside = _into_block(indices, ctx, 1, 0)
+        picked = F.embedding(local, table) * inside.unsqueeze(-1)
     max_norm, norm_type, padding = ctx.decision.call.params
     if padding is not None:
         picked = torch.where((indices == padding).unsqueeze(-1), picked.detach(), picked)
@@ -107,15 +91,10 @@ def _embedding_local(func, args, kwargs, ctx):
     return picked.detach() * scale + (picked - picked.detach())  # the value scaled, the gradient not
 
 
-def _stacked_embedding(indices, table):
-    """Each device's rows of its own table: ``table (n, rows, d)``, ``indices (n, ...)``."""
-    n = table.shape[0]
-    flat = indices.reshape(n, -1)
-    picked = torch.gather(table, 1, flat.unsqueeze(-1).expand(*flat.shape, table.shape[-1]))
-    return picked.reshape(*indices.shape, table.shape[-1])
-
-
-register([F.embedding], Handler(rules.embedding, _embedding_params, _embedding_local, "embedding"))
+register(
+    [F.embedding],
+    Handler(rules.embedding, _embedding_params, _embedding_local, "embedding", batched="embedding"),
+)
 
 
 def _gather_params(args, kwargs, tensors):
@@ -141,17 +120,19 @@ def _gather_local(func, args, kwargs, ctx):
     shape = ctx.decision.call.shapes[0]
     total = shape[dim] if shape else 1
     _check_indices(index, total, "torch.gather(index)", f"a dim of {total}", ctx)
-    if not shape:  # a 0-d input: along a dim of its own, not the device dim
+    if not shape:  # a 0-d input: along a dim of its own
         return torch.gather(x.unsqueeze(-1), -1, index.unsqueeze(-1)).squeeze(-1)
-    local_dim = dim - len(shape)  # from the end: the device dim leads
+    local_dim = dim - len(shape)  # from the end (batched: the device dim leads)
     layout = ctx.decision.inputs[0]
     if not layout.sharding_axes(dim):
         return torch.gather(x, local_dim, index)
-    size = x.shape[local_dim]
-    if size == 0:  # a rank that holds none of the dim
+    if x.shape[local_dim] == 0:  # a device that holds none of the dim
         return torch.zeros(index.shape, dtype=x.dtype, device=x.device)
-    local, inside = _into_block(index, layout, ctx.decision.call.shapes[0], dim, size, ctx)
+    local, inside = _into_block(index, ctx, 0, dim)
     return torch.gather(x, local_dim, local) * inside
 
 
-register([torch.gather, torch.Tensor.gather], Handler(rules.gather, _gather_params, _gather_local, "gather"))
+register(
+    [torch.gather, torch.Tensor.gather],
+    Handler(rules.gather, _gather_params, _gather_local, "gather", batched="gather"),
+)

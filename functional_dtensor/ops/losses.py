@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from .._backend import is_transformed
 from .._dtensor import DTensor, storage_of, without_partial
 from .._errors import InputTypeError, ShapeError, explain
-from .._global_ops import Handler, register
+from .._op_decisions import Handler, register
 from .common import no_params
 
 __all__: list[str] = []

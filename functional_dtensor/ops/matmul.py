@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from .. import _rules as rules
 from .._dtensor import DTensor
 from .._errors import InputTypeError, ShapeError, explain
-from .._global_ops import Handler, dispatch, register
+from .._global_ops import dispatch
+from .._op_decisions import Handler, register
 from .._placements import Shard
 from .common import no_params
 
@@ -20,57 +21,8 @@ __all__: list[str] = []
 # --- matmul ------------------------------------------------------------------------------------
 
 
-class _Bmm(torch.autograd.Function):
-    """``torch.bmm`` whose gradient of ``b`` has ``b``'s memory order, as torch's ``mm`` gives
-    it: ``b`` a transposed view (``x @ w.t()``, a linear layer's weight), its gradient is the
-    transpose of a row-major product, so the weight's own gradient is row-major (an optimizer
-    reads it in one pass; a transposed one it reads several times slower). The backward is
-    products of the inputs, so every order of differentiation works."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(a, b):
-        return torch.bmm(a, b)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad_a = torch.bmm(grad, b.mT) if ctx.needs_input_grad[0] else None
-        grad_b = None
-        if ctx.needs_input_grad[1]:
-            grad_b = torch.bmm(grad.mT, a).mT if b.mT.is_contiguous() else torch.bmm(a.mT, grad)
-        return grad_a, grad_b
-
-
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One product per device (or batch); a contraction of length one is a broadcast product
-    (one kernel) where the dtype is one every device multiplies matrices of."""
-    if a.size(2) == 1 and a.is_floating_point():
-        return a * b
-    if b.requires_grad and b.mT.is_contiguous() and not b.is_contiguous():
-        return _Bmm.apply(a, b)
-    return torch.bmm(a, b)
-
-
 def _matmul_local(func, args, kwargs, ctx):
-    a, b = args[0], args[1]
-    dims = a.dim(), b.dim()
-    if dims == (3, 3) and (ctx.lead or a.size(0) == b.size(0)):  # a matrix per device, or per batch
-        return _bmm(a, b)
-    if ctx.lead and dims[1] == 3 and dims[0] > 3:
-        # a batch of rows times one matrix per device: the rows folded into one product per
-        # device (broadcasting the matrix over the batch would copy it and split the product)
-        rows = a.reshape(a.shape[0], -1, a.shape[-1])
-        return _bmm(rows, b).reshape(*a.shape[:-1], b.shape[-1])
-    if ctx.lead and dims[0] != dims[1]:  # align batch dims after the device dim
-        ndim = len(ctx.decision.out_shapes[0])
-        a, b = [x.reshape(x.shape[:1] + (1,) * (ndim + 1 - x.dim()) + x.shape[1:]) for x in (a, b)]
-    return torch.matmul(a, b)
+    return torch.matmul(args[0], args[1])
 
 
 def _matmul_params(args, kwargs, tensors):
@@ -109,9 +61,7 @@ def _matmul_params(args, kwargs, tensors):
 
 
 def _mm_local(func, args, kwargs, ctx):
-    """``mm``: matrices, so on stacked devices one per device (no ranks to look at)."""
-    a, b = args[0], args[1]
-    return _bmm(a, b) if ctx.lead else torch.mm(a, b)
+    return torch.mm(args[0], args[1])
 
 
 def _matmul_of_matrices(a, b):
@@ -135,13 +85,15 @@ def _matmul(func, args, kwargs, ctx):
 
 register(
     [_matmul_of_matrices, torch.bmm, torch.Tensor.bmm],
-    Handler(rules.matmul, _matmul_params, _matmul_local, "matmul"),
+    Handler(rules.matmul, _matmul_params, _matmul_local, "matmul", batched="matmul"),
 )
 register(
     [torch.matmul, torch.Tensor.matmul],
     Handler(None, no_params, _matmul, "matmul", explained_as=_matmul_of_matrices),
 )
-register([torch.mm, torch.Tensor.mm], Handler(rules.matmul, _matmul_params, _mm_local, "matmul"))
+register(
+    [torch.mm, torch.Tensor.mm], Handler(rules.matmul, _matmul_params, _mm_local, "matmul", batched="mm")
+)
 
 
 def _linear(func, args, kwargs, ctx):
@@ -225,12 +177,7 @@ def _einsum_rule(call):
 def _einsum_local(func, args, kwargs, ctx):
     inputs, output = ctx.decision.call.params
     operands = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) else args[1]
-    if ctx.lead:
-        device = next(
-            c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in "".join(inputs)
-        )
-        inputs, output = tuple(device + term for term in inputs), device + output
     return torch.einsum(f"{','.join(inputs)}->{output}", *operands)
 
 
-register([torch.einsum], Handler(_einsum_rule, _einsum_params, _einsum_local, "einsum"))
+register([torch.einsum], Handler(_einsum_rule, _einsum_params, _einsum_local, "einsum", batched="einsum"))

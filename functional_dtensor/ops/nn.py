@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from .. import _rules as rules
 from .._errors import InputTypeError, explain
-from .._global_ops import Handler, register
+from .._op_decisions import Handler, register
 from .._placements import Shard
-from .common import align, dim_param, functions, valid
+from .common import dim_param, functions
 
 __all__: list[str] = []
 
@@ -22,7 +22,7 @@ __all__: list[str] = []
 def _negative_dim_local(func, args, kwargs, ctx):
     (dims,) = ctx.decision.call.params[:1]
     dim = dims[0] - len(ctx.decision.call.shapes[0])
-    if not ctx.decision.call.shapes[0]:  # a 0-d value: along a dim of its own, not the device dim
+    if not ctx.decision.call.shapes[0]:  # a 0-d value: along a dim of its own
         args, kwargs = (args[0].unsqueeze(-1), *args[1:]), kwargs
         if "dim" in kwargs:
             return func(*args, **{**kwargs, "dim": -1}).squeeze(-1)
@@ -33,7 +33,10 @@ def _negative_dim_local(func, args, kwargs, ctx):
 
 
 for _name in ("softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp"):
-    register(functions(_name), Handler(rules.along, dim_param(1, _name), _negative_dim_local, _name))
+    register(
+        functions(_name),
+        Handler(rules.along, dim_param(1, _name), _negative_dim_local, _name, batched="leading"),
+    )
 
 
 def _trailing(count_of):
@@ -49,53 +52,34 @@ def _normalized(args, kwargs):
     return len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
 
 
-#: per-device elements from which a stacked op runs torch's fused kernel once per device (the
-#: kernels outweigh a call per device) rather than a batched form of several kernels
-PER_DEVICE_KERNEL = 1 << 14
-
-
 def _normalization(*names: str):
-    """``layer_norm`` / ``rms_norm``: on one rank's shard, the op itself. On stacked devices
-    (each device's copy of a replicated weight takes its own gradient): large shards run the
-    fused op once per device with that device's weights (forward and backward one kernel
-    each); small ones are normalized at once without the affine weights, which are then
-    applied elementwise in one kernel."""
+    """``layer_norm`` / ``rms_norm``: the op itself, on a block."""
 
     def local(func, args, kwargs, ctx):
-        bound = dict(zip(("input", "normalized_shape", *names), args)) | kwargs
-        if not ctx.lead:
-            return func(**bound)
-        x = bound.pop("input")
-        padded = ctx.decision.padded[0]
-        if x[0].numel() >= PER_DEVICE_KERNEL and not padded:
-            per_device = {k: v.unbind(0) for k, v in bound.items() if isinstance(v, torch.Tensor)}
-            return torch.stack(
-                [
-                    func(x_k, **(bound | {k: parts[i] for k, parts in per_device.items()}))
-                    for i, x_k in enumerate(x.unbind(0))
-                ]
-            )
-        bound["input"] = x
-        affine = [bound.pop(name, None) for name in ("weight", "bias")]
-        out = func(**bound)
-        if padded:  # the padding's rows normalized (0 / sqrt(eps)) take no part in the weights' gradients
-            out = torch.where(valid(ctx.decision.output, ctx.decision.out_shapes[0], out), out, 0.0)
-        (weight, bias), _ = align(affine, {}, ctx)
-        if weight is not None and bias is not None:
-            return torch.addcmul(bias, out, weight)
-        out = out if weight is None else out * weight
-        return out if bias is None else out + bias
+        return func(**(dict(zip(("input", "normalized_shape", *names), args)) | kwargs))
 
     return local
 
 
 register(
     [F.layer_norm],
-    Handler(rules.along, _trailing(_normalized), _normalization("weight", "bias", "eps"), "layer_norm"),
+    Handler(
+        rules.along,
+        _trailing(_normalized),
+        _normalization("weight", "bias", "eps"),
+        "layer_norm",
+        batched="normalization",
+    ),
 )
 register(
     [getattr(F, "rms_norm", None)],
-    Handler(rules.along, _trailing(_normalized), _normalization("weight", "eps"), "rms_norm"),
+    Handler(
+        rules.along,
+        _trailing(_normalized),
+        _normalization("weight", "eps"),
+        "rms_norm",
+        batched="normalization",
+    ),
 )
 
 
@@ -112,12 +96,6 @@ def _attention_rule(call):
 
 
 def _attention_local(func, args, kwargs, ctx):
-    """On stacked devices, the device dim folded into the batch dim: torch's fused CPU kernels
-    take 4-d inputs, and a 5-d call falls back to the unfused math."""
-    if ctx.lead and len(args) == 3 and not isinstance(kwargs.get("attn_mask"), torch.Tensor):
-        q, k, v = args
-        if q.dim() == 5 and q.shape[:2] == k.shape[:2] == v.shape[:2]:
-            return func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), **kwargs).unflatten(0, q.shape[:2])
     return func(*args, **kwargs)
 
 
@@ -142,5 +120,11 @@ def _attention_params(args, kwargs, tensors):
 
 register(
     [F.scaled_dot_product_attention],
-    Handler(_attention_rule, _attention_params, _attention_local, "scaled_dot_product_attention"),
+    Handler(
+        _attention_rule,
+        _attention_params,
+        _attention_local,
+        "scaled_dot_product_attention",
+        batched="attention",
+    ),
 )

@@ -11,9 +11,9 @@ import torch
 from .. import _rules as rules
 from .._dtensor import DTensor
 from .._errors import InputTypeError, explain
-from .._global_ops import Handler, dispatch, register
-from .._sharding import shard_table
-from .common import checked_dim, dim_param, functions, no_params, on_meta, valid
+from .._global_ops import dispatch
+from .._op_decisions import GENERIC, Handler, refused, register
+from .common import checked_dim, dim_param, functions, no_params, on_meta, plain
 
 __all__: list[str] = []
 
@@ -57,10 +57,6 @@ def _reduction(kind: str):
         if kind == "sum" and negative:
             return torch.sum(storage, dim=negative, keepdim=keepdim, dtype=dtype)
         shape = ctx.decision.call.shapes[0]
-        layout = ctx.decision.inputs[0]
-        if kind in ("amax", "amin", "prod") and ctx.lead and not shard_table(layout, shape).is_even:
-            identity = 1 if kind == "prod" else _identity(kind, storage.dtype)
-            storage = storage.masked_fill(~valid(layout, shape, storage), identity)
         if not negative:
             return storage.to(ctx.decision.out_dtypes[0])
         if kind == "sum":
@@ -116,7 +112,7 @@ for _kind in ("sum", "mean", "amax", "amin", "prod"):
     _params, _local = _reduction(_kind)
     by_grad = _kind in ("amax", "amin")  # with gradients, a sharded dim is gathered (see params)
     forms = [_VALUES[_kind]] if _kind in _VALUES else functions(_kind)
-    register(forms, Handler(_reduction_rule, _params, _local, _kind, by_grad=by_grad))
+    register(forms, Handler(_reduction_rule, _params, _local, _kind, by_grad=by_grad, batched="leading"))
 
 
 def _extreme(kind: str):
@@ -177,7 +173,7 @@ def _along_max(kind):
         (dims,) = ctx.decision.call.params[:1]
         ndim = len(ctx.decision.call.shapes[0])
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-        if not ndim:  # a 0-d value: its one element along a dim of its own (not the device dim)
+        if not ndim:  # a 0-d value: its one element along a dim of its own
             return getattr(torch, kind)(args[0].unsqueeze(-1), -1)  # (torch's return type)
         return getattr(torch, kind)(args[0], dims[0] - ndim, keepdim=keepdim)
 
@@ -194,7 +190,10 @@ def _min_along(input, dim, keepdim=False):
 
 _MAX_ALONG = {"max": _max_along, "min": _min_along}  # the along-a-dim forms, with their own rule
 for _kind in ("max", "min"):
-    register([_MAX_ALONG[_kind]], Handler(rules.along, dim_param(1, _kind), _along_max(_kind), _kind))
+    register(
+        [_MAX_ALONG[_kind]],
+        Handler(rules.along, dim_param(1, _kind), _along_max(_kind), _kind, batched="leading"),
+    )
     register(functions(_kind), Handler(None, no_params, _max_min(_kind), _kind))
 
 
@@ -210,9 +209,9 @@ def _arg_params(name: str):
 
 def _arg_local(func, args, kwargs, ctx):
     (whole,), ndim = ctx.decision.call.params, len(ctx.decision.call.shapes[0])
-    x, lead = args[0], args[0].shape[: ctx.lead]
+    x = args[0]
     if len(whole) != 1 or not ndim:  # of every element (or a 0-d value's one): flattened
-        return func(x.reshape(*lead, -1), -1).reshape((*lead, *ctx.decision.out_shapes[0]))
+        return func(x.reshape(-1), -1).reshape(ctx.decision.out_shapes[0])
     keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
     return func(x, whole[0] - ndim, keepdim=keepdim)
 
@@ -221,15 +220,21 @@ def _sort_local(func, args, kwargs, ctx):
     ((dim,),), ndim = ctx.decision.call.params, len(ctx.decision.call.shapes[0])
     descending = args[2] if len(args) > 2 else kwargs.get("descending", False)
     rest = {k: v for k, v in kwargs.items() if k not in ("dim", "descending")}
-    if not ndim:  # a 0-d value: along a dim of its own, not the device dim
+    if not ndim:  # a 0-d value: along a dim of its own
         out = func(args[0].unsqueeze(-1), dim=-1, descending=descending, **rest)
         return type(out)([o.squeeze(-1) for o in out])
     return func(args[0], dim=dim - ndim, descending=descending, **rest)  # (keywords: stable= too)
 
 
 for _name in ("argmax", "argmin"):
-    register(functions(_name), Handler(rules.along, _arg_params(_name), _arg_local, _name))
-register(functions("sort"), Handler(rules.along, dim_param(1, "sort", default=-1), _sort_local, "sort"))
+    register(
+        functions(_name),
+        Handler(rules.along, _arg_params(_name), _arg_local, _name, batched="along_flattened"),
+    )
+register(
+    functions("sort"),
+    Handler(rules.along, dim_param(1, "sort", default=-1), _sort_local, "sort", batched="leading"),
+)
 
 
 def _arguments(args, kwargs, **defaults) -> list:
@@ -322,4 +327,61 @@ register([torch.norm, torch.Tensor.norm], Handler(None, no_params, _norm, "norm"
 register([torch.linalg.norm], Handler(None, no_params, _linalg_norm, "linalg.norm"))
 register([torch.linalg.vector_norm], Handler(None, no_params, _vector_norm, "linalg.vector_norm"))
 register([torch.linalg.matrix_norm], Handler(None, no_params, _matrix_norm, "linalg.matrix_norm"))
-register([_singular_norm], Handler(rules.whole, no_params, _singular_norm_local, "linalg.matrix_norm"))
+register(
+    [_singular_norm],
+    Handler(rules.whole, no_params, _singular_norm_local, "linalg.matrix_norm", batched="leading"),
+)
+
+
+# --- rules from torch's op metadata ------------------------------------------------------------
+
+#: reductions torch tags ``reduction`` whose parts combine over a sharded dim (as DTensor's
+#: reduction table has them); the others take their reduced dims whole
+_COMBINED = {"nansum": "sum", "count_nonzero": "sum"}
+
+#: distinct sizes, one per dim, for a probe of the output's dims (no two dims alike)
+_PROBE_SIZES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def _reduced_dims(func, name: str, kind: str):
+    """The dims a tagged reduction reduces and whether it keeps them: read from its output on a
+    meta probe whose dims all differ in size (a kept dim is the one of its size). An output
+    whose dims cannot be told apart so reduces every dim (the value replicated: always right)."""
+
+    def params(args, kwargs, tensors):
+        x = tensors[0]
+        if len(tensors) != 1 or args[0] is not x or x.ndim > len(_PROBE_SIZES):
+            return (kind if len(tensors) == 1 else "whole", tuple(range(x.ndim)), False)
+        probe = torch.empty(_PROBE_SIZES[: x.ndim], dtype=x.dtype, device="meta")
+        try:
+            out = func(probe, *args[1:], **kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as error:
+            raise refused(name, f"{tuple(x.shape)} {x.dtype}", error) from None
+        shape = tuple((out[0] if isinstance(out, (tuple, list)) else out).shape)
+        sizes = _PROBE_SIZES[: x.ndim]
+        if len(shape) == x.ndim and all(n in (1, size) for n, size in zip(shape, sizes)):
+            return (kind, tuple(d for d in range(x.ndim) if shape[d] == 1), True)
+        if all(n in sizes for n in shape) and list(shape) == sorted(shape, key=sizes.index):
+            return (kind, tuple(d for d in range(x.ndim) if sizes[d] not in shape), False)
+        return ("whole", tuple(range(x.ndim)), False)
+
+    return params
+
+
+def _tagged_reduction(func) -> Handler | None:
+    """The reduction rule for a torch function whose aten op (of the same name) torch tags
+    ``reduction``: the dims it reduces whole (or combined as a Partial, for those of
+    :data:`_COMBINED`), the others kept sharded. Run on each device's block as it is."""
+    name = getattr(func, "__name__", None)
+    packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or name.endswith("_"):
+        return None
+    overloads = [getattr(packet, o) for o in packet.overloads()]
+    if not any(torch.Tag.reduction in o.tags for o in overloads):
+        return None
+    if any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads):
+        return None
+    return Handler(rules.reduction, _reduced_dims(func, name, _COMBINED.get(name, "whole")), plain, name)
+
+
+GENERIC.append(_tagged_reduction)

@@ -13,7 +13,7 @@ from .. import random as fd_random
 from .._dtensor import DTensor, storage_of, without_partial
 from .._errors import InputTypeError, explain
 from .._factories import empty, full, ones, zeros
-from .._global_ops import Handler, register
+from .._op_decisions import Handler, register
 from .common import no_params
 
 __all__: list[str] = []

@@ -11,9 +11,10 @@ import torch
 from .. import _rules as rules
 from .._cache import cached
 from .._errors import InputTypeError, explain
-from .._global_ops import Handler, dispatch, register
+from .._global_ops import dispatch
+from .._op_decisions import Handler, refused, register
 from .._placements import Shard
-from .common import align, functions, no_params, on_meta
+from .common import functions, no_params, on_meta, plain
 
 __all__: list[str] = []
 
@@ -21,35 +22,44 @@ __all__: list[str] = []
 # --- views -------------------------------------------------------------------------------------
 
 
-def _permutation_of(name: str):
+#: distinct sizes, one per dim, for a probe of what a view does to each dim
+_PROBE_SIZES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def _probed(func, args, kwargs, x, name: str) -> tuple[int, ...]:
+    """The shape ``func`` gives a meta probe of ``x``'s dims, each of another size (so that an
+    output dim of the size of an input dim is that dim): what the view does to the dims, read
+    from torch itself, which also checks the arguments."""
+    if x.ndim > len(_PROBE_SIZES):
+        raise refused(name, str(tuple(x.shape)), ValueError(f"more than {len(_PROBE_SIZES)} dims"))
+    probe = torch.empty(_PROBE_SIZES[: x.ndim], dtype=x.dtype, device="meta")
+    try:
+        return tuple(func(probe, *args[1:], **kwargs).shape)
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        raise refused(name, str(tuple(x.shape)), error) from None
+
+
+def _permutation_of(func, name: str):
+    """A permutation of the dims (``t``, ``transpose``, ``permute``, ``movedim``, ...): the
+    output's dims as input dims, read from a probe."""
+
     def params(args, kwargs, tensors):
-        ndim = tensors[0].ndim
-        if ndim == 0:  # torch takes dims 0 and -1 of a 0-d value: nothing to permute
-            return ((),)
-        if name == "t":
-            return (tuple(range(ndim))[::-1],)
-        if name == "transpose":
-            d0 = args[1] if len(args) > 1 else kwargs["dim0"]
-            d1 = args[2] if len(args) > 2 else kwargs["dim1"]
-            order = list(range(ndim))
-            order[d0 % ndim], order[d1 % ndim] = order[d1 % ndim], order[d0 % ndim]
-            return (tuple(order),)
-        dims = args[1:] if len(args) > 1 else (kwargs["dims"],)
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
-            dims = dims[0]
-        return (tuple(d % ndim for d in dims),)
+        shape = _probed(func, args, kwargs, tensors[0], name)
+        return (tuple(_PROBE_SIZES.index(n) for n in shape),)
 
     return params
 
 
 def _permute_local(func, args, kwargs, ctx):
     (order,) = ctx.decision.call.params
-    return args[0].permute(*range(ctx.lead), *[d + ctx.lead for d in order])
+    return args[0].permute(order)
 
 
-for _name in ("t", "transpose", "permute", "swapaxes", "swapdims"):
-    key = "transpose" if _name in ("swapaxes", "swapdims") else _name
-    register(functions(_name), Handler(rules.permutation, _permutation_of(key), _permute_local, _name))
+for _name in ("t", "transpose", "permute", "swapaxes", "swapdims", "movedim", "moveaxis"):
+    for _func in functions(_name):
+        if _func is not None:
+            handler = Handler(rules.permutation, _permutation_of(_func, _name), _permute_local, _name)
+            register([_func], handler._replace(batched="permute"))
 
 
 @cached(1024)
@@ -85,6 +95,10 @@ def _view_pairs_of(shape: tuple[int, ...], out: tuple[int, ...]) -> tuple[tuple[
         pairs.append((ins[0], outs[0], divisor))
 
 
+#: views that give a value at least so many dims, by leading ones
+_ATLEAST = ("atleast_1d", "atleast_2d", "atleast_3d")
+
+
 def _reshape_rule(call):
     """Dims a view keeps (neither merged nor split), the first of dims it merges, and a dim it
     splits (the shard going to the first part) may stay sharded."""
@@ -106,34 +120,98 @@ def _reshape_valid(call, mesh, combination) -> bool:
 def _reshape_local(func, args, kwargs, ctx):
     """The view of a block: the output's global shape, each sharded dim as long as the block's
     part of its input dim, scaled by the view (a dim merged with whole ones after it, or split
-    with the shard on its first part). Read from the block, so that a rank's short or empty
-    block (unpadded on the distributed backend) views as a padded stacked one does."""
-    storage, block = args[0], args[0].shape[ctx.lead :]
+    with the shard on its first part). Read from the block, so that a short or empty block
+    views as the others do."""
+    block = args[0]
     (shape,), out = ctx.decision.call.shapes, ctx.decision.out_shapes[0]
     local = list(out)
     for in_dim, out_dim, _ in _view_pairs_of(shape, tuple(out)):
         if ctx.decision.output.sharding_axes(out_dim):
-            local[out_dim] = block[in_dim] * out[out_dim] // shape[in_dim]
-    return storage.reshape((*storage.shape[: ctx.lead], *local))  # a tuple: () is a 0-d shape
+            local[out_dim] = block.shape[in_dim] * out[out_dim] // shape[in_dim]
+    return block.reshape(tuple(local))  # a tuple: () is a 0-d shape
 
 
-for _name in ("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel"):
-    register(functions(_name), Handler(_reshape_rule, no_params, _reshape_local, _name, True, _reshape_valid))
+for _name in ("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel", *_ATLEAST):
+    register(
+        functions(_name),
+        Handler(_reshape_rule, no_params, _reshape_local, _name, True, _reshape_valid, batched="reshape"),
+    )
 
 
 def _expand_local(func, args, kwargs, ctx):
     """The block expanded to the output's global shape, its sharded dims as long as the block's
-    (short or empty on a rank of an uneven dim)."""
-    (storage,), _ = align([args[0]], {}, ctx)
-    block, out = storage.shape[ctx.lead :], ctx.decision.out_shapes[0]
+    (short or empty where the dim is uneven)."""
+    block, out = args[0], ctx.decision.out_shapes[0]
     local = [
-        block[d - len(out) + len(block)] if ctx.decision.output.sharding_axes(d) else n
+        block.shape[d - len(out) + block.dim()] if ctx.decision.output.sharding_axes(d) else n
         for d, n in enumerate(out)
     ]
-    return storage.expand((*storage.shape[: ctx.lead], *local))
+    return block.expand(local)
 
 
-register([torch.Tensor.expand], Handler(rules.elementwise, no_params, _expand_local, "expand"))
+register(
+    [torch.Tensor.expand, torch.broadcast_to, torch.Tensor.broadcast_to],
+    Handler(rules.elementwise, no_params, _expand_local, "expand", batched="expand"),
+)
+
+
+def _as(method: str):
+    """``x.expand_as(y)``, ``x.view_as(y)``, ``x.reshape_as(y)``: by ``y``'s shape."""
+
+    def composite(func, args, kwargs, ctx):
+        other = args[1] if len(args) > 1 else kwargs["other"]
+        return getattr(args[0], method)(tuple(other.shape))
+
+    return composite
+
+
+for _name in ("expand", "view", "reshape"):
+    register([getattr(torch.Tensor, f"{_name}_as")], Handler(None, no_params, _as(_name), f"{_name}_as"))
+
+
+def _complex_view_rule(call):
+    """``view_as_real`` (a trailing dim of the real and imaginary parts) and
+    ``view_as_complex`` (that dim taken back): the other dims may stay sharded."""
+    shape = call.shapes[0]
+    kept = min(len(shape), len(call.out_shape))
+    options = [rules.Option((rules.R,), rules.R)]
+    return options + [rules.Option((Shard(d),), Shard(d)) for d in range(kept) if shape[d] > 1]
+
+
+def _complex_view_local(func, args, kwargs, ctx):
+    """The view of a block in memory order (a block a redistribute assembled may be strided
+    otherwise, where ``view_as_complex`` cannot pair the parts; the global value is not)."""
+    return func(args[0].contiguous())
+
+
+register(
+    [torch.view_as_real, torch.view_as_complex],
+    Handler(_complex_view_rule, no_params, _complex_view_local, "view_as_real", batched="leading"),
+)
+
+
+def _repeat_params(func, name: str):
+    """``repeat``/``tile``: the input dims repeated once, each with its output dim (new dims
+    lead the output), read from a probe."""
+
+    def params(args, kwargs, tensors):
+        x = tensors[0]
+        shape = _probed(func, args, kwargs, x, name)
+        new = len(shape) - x.ndim
+        return (tuple((d, d + new) for d in range(x.ndim) if shape[d + new] == _PROBE_SIZES[d]),)
+
+    return params
+
+
+def _repeat_rule(call):
+    (kept,) = call.params
+    options = [rules.Option((rules.R,), rules.R)]
+    return options + [rules.Option((Shard(d),), Shard(o)) for d, o in kept if call.shapes[0][d] > 1]
+
+
+for _name, _funcs in (("repeat", [torch.Tensor.repeat]), ("tile", [torch.tile, torch.Tensor.tile])):
+    for _func in _funcs:
+        register([_func], Handler(_repeat_rule, _repeat_params(_func, _name), plain, _name))
 
 
 def _check_index(index) -> tuple:
@@ -189,10 +267,13 @@ def _index_rule(call):
 
 def _index_local(func, args, kwargs, ctx):
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    return args[0][(slice(None),) * ctx.lead + index]
+    return args[0][index]
 
 
-register([torch.Tensor.__getitem__], Handler(_index_rule, _index_params, _index_local, "__getitem__"))
+register(
+    [torch.Tensor.__getitem__],
+    Handler(_index_rule, _index_params, _index_local, "__getitem__", batched="index"),
+)
 
 
 # --- joining and splitting ---------------------------------------------------------------------
@@ -215,9 +296,11 @@ def _cat_local(func, args, kwargs, ctx):
 
 register(
     [torch.cat, torch.concat, torch.concatenate],
-    Handler(rules.concatenation, _cat_params(False), _cat_local, "cat"),
+    Handler(rules.concatenation, _cat_params(False), _cat_local, "cat", batched="leading"),
 )
-register([torch.stack], Handler(rules.concatenation, _cat_params(True), _cat_local, "stack"))
+register(
+    [torch.stack], Handler(rules.concatenation, _cat_params(True), _cat_local, "stack", batched="leading")
+)
 
 
 def _split(func, args, kwargs, ctx):
