@@ -43,6 +43,7 @@ from ._explain import OpReport, PlanReport, explain_redistribute
 from ._explain import explain_op as explain
 from ._factories import empty, full, ones, zeros
 from ._fallback import strict_ops
+from ._global_ops import implicit_replication
 from ._interop import from_torch, to_torch
 from ._layout import Layout
 from ._local_map import local_map
@@ -124,6 +125,7 @@ __all__ = [
     "explain_redistribute",
     "OpReport",
     "register_sharding",
+    "implicit_replication",
     "PlanReport",
     "from_local",
     "from_torch",

@@ -19,6 +19,7 @@ shapes, dtypes, the op's other arguments), so a repeated call costs a lookup and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import optree
@@ -29,7 +30,7 @@ from . import _log as log
 from . import _varied as varied
 from ._cache import Bounded
 from ._collectives import Pvary, on_storage
-from ._dtensor import DTensor, new_value, new_value_eager, parts_of, storage_of
+from ._dtensor import DTensor, distribute_tensor, new_value, new_value_eager, parts_of, storage_of
 from ._errors import FunctionalDTensorError, InputTypeError, explain
 from ._op_decisions import (
     FUNC_IDS,
@@ -43,10 +44,11 @@ from ._op_decisions import (
     no_params,
     traced_decision,
 )
+from ._placements import Replicate
 from ._redistribute import layout_key, redistribute
 from ._shard_map import NAMESPACE
 
-__all__ = ["dispatch", "decision_for", "unsupported", "unsupported_while_compiling"]
+__all__ = ["dispatch", "decision_for", "unsupported", "unsupported_while_compiling", "implicit_replication"]
 
 
 _NUMBERS = (int, float, bool)
@@ -169,6 +171,45 @@ def _failed(name: str, error: Exception) -> InputTypeError:
     )
 
 
+#: how many ``implicit_replication`` scopes are open (a list: changed in place, never rebound)
+_IMPLICIT = [0]
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """Inside, a plain ``torch.Tensor`` that meets ``fd.DTensor`` values in an op is taken as
+    replicated on their mesh, as torch's ``implicit_replication`` and JAX's constants under
+    ``jit`` are: a tensor made inside a sharded forward (positions, masks, a rotary table) is
+    the same on every device by construction. ``fd.ShardedModule.apply`` runs the module's
+    forward inside one. Outside, mixing them is an error (the library cannot know how the plain
+    tensor is laid out).
+
+    >>> import torch, functional_dtensor as fd
+    >>> mesh = fd.simulated_mesh(2, "x")
+    >>> x = fd.distribute_tensor(torch.ones(4, 3), mesh, fd.P("x"))
+    >>> with fd.implicit_replication():
+    ...     y = x + torch.arange(3.0)
+    >>> y.placements, y.full_tensor()[0].tolist()
+    ((Shard(dim=0),), [1.0, 2.0, 3.0])
+    """
+    _IMPLICIT[0] += 1
+    try:
+        yield
+    finally:
+        _IMPLICIT[0] -= 1
+
+
+def _plain(value) -> bool:
+    """A plain tensor with dims (a 0-d one is a constant every op takes as it is)."""
+    return isinstance(value, torch.Tensor) and type(value) is not DTensor and value.dim() > 0
+
+
+def _replicas_of_plain(leaves: list, mesh) -> list:
+    """``leaves`` with each plain tensor replicated on ``mesh`` (its gradient flowing back)."""
+    replicated = [Replicate()] * mesh.ndim
+    return [distribute_tensor(v, mesh, replicated, src_data_rank=None) if _plain(v) else v for v in leaves]
+
+
 def _replicated(func, args, kwargs):
     """An op without a rule, on replicated inputs (:mod:`._fallback`)."""
     if torch.compiler.is_compiling():
@@ -177,6 +218,9 @@ def _replicated(func, args, kwargs):
     tensors = [v for v in leaves if type(v) is DTensor]
     if not tensors:  # a DTensor inside a container optree does not walk: nothing to lay out
         raise unsupported(func)
+    if _IMPLICIT[0] and any([_plain(v) for v in leaves]):
+        leaves = _replicas_of_plain(leaves, tensors[0].device_mesh)
+        tensors = [v for v in leaves if type(v) is DTensor]
     check_values(getattr(func, "__name__", repr(func)), leaves, tensors)
     return fallback.run_replicated(func, tensors, leaves, tree, unsupported, _failed)
 
@@ -200,6 +244,13 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     else:
         leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
     tensors = [v for v in leaves if type(v) is DTensor]
+    if _IMPLICIT[0] and tensors and any([_plain(v) for v in leaves]):
+        leaves = _replicas_of_plain(leaves, tensors[0].device_mesh)
+        tensors = [v for v in leaves if type(v) is DTensor]
+        if tree is None:
+            args, kwargs = tuple(leaves[: len(args)]), dict(zip(names, leaves[len(args) :]))
+        else:
+            args, kwargs = tree.unflatten(leaves)
     if torch.compiler.is_compiling():
         spec = tuple(
             [

@@ -309,8 +309,9 @@ def check_values(name: str, leaves, tensors: list[DTensor]) -> None:
                     expected="fd.DTensor inputs, Python numbers or 0-d tensors",
                     got=f"a torch.Tensor of shape {tuple(value.shape)}",
                     fix="make it a global value, replicated: fd.distribute_tensor(t, mesh, fd.P()), or "
-                    "sharded as you mean it: fd.distribute_tensor(t, mesh, fd.P('x')); or take the "
-                    "DTensor's global value with x.full_tensor()",
+                    "sharded as you mean it: fd.distribute_tensor(t, mesh, fd.P('x')); take the "
+                    "DTensor's global value with x.full_tensor(); or, where the tensor is the same on "
+                    "every device, call the op inside fd.implicit_replication()",
                 )
             )
 

@@ -63,6 +63,7 @@ from ._styles import (
     RowwiseParallel,
     SequenceParallel,
     Style,
+    style_of_string,
 )
 
 __all__ = [
@@ -112,6 +113,9 @@ def _check_plan(plan, module: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[St
                     fix='write the name as a string: "layers.*.mlp"',
                 )
             )
+        styles = tuple(
+            style_of_string(s, mesh.axis_names, where) if isinstance(s, str) else s for s in styles
+        )
         for style in styles:
             if not isinstance(style, Style):
                 raise InputTypeError(
@@ -151,7 +155,11 @@ def _check_plan(plan, module: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[St
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan) -> ShardedModule:
     """``module`` laid out on ``device_mesh`` by ``parallelize_plan`` (module-name pattern ->
     style or tuple of styles): its parameters as ``fd.DTensor`` and a pure function running its
-    own forward on them (see the module docstring). The module is not changed."""
+    own forward on them (see the module docstring). The module is not changed. A style may be
+    one of transformers' plan strings (``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
+    ``"embedding_rowwise"``, ``"sequence_parallel"``, ...), on the mesh's ``"tp"`` axis, so
+    ``fd.parallelize_module(model, mesh, model._tp_plan)`` lays out a transformers model by the
+    plan it ships."""
     _check_module(module, "fd.parallelize_module")
     plan = _check_plan(parallelize_plan, module, device_mesh)
     styles_of: dict[str, list[Style]] = {}

@@ -12,23 +12,23 @@ for the call only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch import nn
 
 from . import _varied as varied
 from ._dtensor import DTensor, distribute_tensor, new_value, storage_of
 from ._errors import InputTypeError, LayoutError, explain
+from ._global_ops import implicit_replication
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
 from ._redistribute import gather_varied, redistribute
-from ._shard_map import NAMESPACE
 from ._spec import P
 from ._styles import FullyShard, ReplicateParallel
 
@@ -190,9 +190,10 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
         sub = modules[mod_name]
         for style in styles:
             where = f"{type(style).__name__} on module {mod_name or 'the root'!r}"
-            wanted_in = style.inputs(sub)
-            if wanted_in is not None:
-                sub.register_forward_pre_hook(_input_hook(mesh, style.axis, wanted_in, where))
+            wanted_in, wanted_kw, arity = style.inputs(sub), style.kwarg_inputs(sub), style.arity()
+            if wanted_in is not None or wanted_kw is not None or arity is not None:
+                hook = _input_hook(mesh, style.axis, wanted_in or (), wanted_kw or {}, arity, where)
+                sub.register_forward_pre_hook(hook, with_kwargs=True)
             wanted_out = style.outputs(sub)
             if wanted_out is not None:
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
@@ -211,12 +212,29 @@ def _as_args(value):
     return value if isinstance(value, tuple) else (value,)
 
 
-def _input_hook(mesh, axis, wanted, where):
-    def hook(module, inputs):
-        return tuple(
+def _input_hook(mesh, axis, wanted, wanted_kw, arity, where):
+    """Before the module's forward: its positional inputs laid out by ``wanted`` (one placement
+    or None each), its keyword inputs by ``wanted_kw``; ``arity``: the positional inputs the
+    style names, checked as torch checks them."""
+
+    def hook(module, inputs, kwargs):
+        if arity is not None and len(inputs) != arity:
+            raise InputTypeError(
+                explain(
+                    where,
+                    "the module is called with as many positional inputs as input_layouts names",
+                    expected=f"{arity} positional inputs",
+                    got=f"{len(inputs)}",
+                    fix="give one placement (or None) per positional input in input_layouts and "
+                    "desired_input_layouts; keyword inputs go in input_kwarg_layouts",
+                )
+            )
+        inputs = tuple(
             _on_axis(x, mesh, axis, wanted[i] if i < len(wanted) else None, where)
             for i, x in enumerate(inputs)
         )
+        kwargs = {k: _on_axis(v, mesh, axis, wanted_kw.get(k), where) for k, v in kwargs.items()}
+        return inputs, kwargs
 
     return hook
 
@@ -274,6 +292,41 @@ def _gathered(layout: Layout) -> Layout:
     names = (first,) if isinstance(first, str) else tuple(first)
     entries[0] = None if len(names) == 1 else names[0] if len(names) == 2 else names[:-1]
     return Layout.from_spec(layout.mesh, P(*entries))
+
+
+def map_values(fn, value):
+    """``value`` with ``fn`` applied to every ``fd.DTensor`` in it, in any container a forward
+    returns: tuples, lists and dicts, and their subclasses (transformers' ``ModelOutput``, an
+    ``OrderedDict`` and a dataclass; named tuples), and dataclasses. A container holding no
+    changed value is returned as it is; others are copied, never changed in place."""
+    if isinstance(value, DTensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        changed = {k: v2 for k, v in value.items() if (v2 := map_values(fn, v)) is not v}
+        if not changed:
+            return value
+        out = copy.copy(value)
+        for k, v in changed.items():
+            out[k] = v
+        return out
+    if isinstance(value, (tuple, list)):
+        items = [map_values(fn, v) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {
+            f.name: v2
+            for f in dataclasses.fields(value)
+            if (v2 := map_values(fn, v := getattr(value, f.name))) is not v
+        }
+        if not changed:
+            return value
+        out = copy.copy(value)
+        for k, v in changed.items():
+            object.__setattr__(out, k, v)  # (a frozen dataclass too)
+        return out
+    return value
 
 
 class _Apply:
@@ -341,7 +394,13 @@ class _Apply:
 
     def __call__(self, params, *args, **kwargs):
         self._check(params)
-        with self._lock, varied.scope():
+        if torch.compiler.is_compiling():  # one trace at a time: Dynamo holds its own lock
+            return self._forward(params, args, kwargs)
+        with self._lock:  # the skeleton holds one call's parameters at a time
+            return self._forward(params, args, kwargs)
+
+    def _forward(self, params, args, kwargs):
+        with varied.scope(), implicit_replication():
             params = dict(params)
             for axis, names in self._replicated_over.items():
                 storages = varied.vary_all([storage_of(params[n]) for n in names], self._mesh, (axis,))
@@ -355,7 +414,7 @@ class _Apply:
             try:
                 out = self._skeleton(*args, **kwargs)
                 # a value leaving the forward varied is made invariant (a loss computed inside)
-                return optree.tree_map(self._invariant, out, namespace=NAMESPACE)
+                return map_values(self._invariant, out)
             finally:
                 for name in self._places:
                     for sub, attr in self._places[name]:

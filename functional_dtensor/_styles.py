@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ._errors import InputTypeError, explain
@@ -22,12 +23,19 @@ __all__ = [
     "FullyShard",
     "PrepareModuleInput",
     "PrepareModuleOutput",
+    "TRANSFORMERS_STYLES",
+    "style_of_string",
 ]
 
 
 class Style:
     """A style: the placements on its mesh axis of the parameters of the module it names
-    (:meth:`param_entries`), and the layout changes of that module's inputs and outputs."""
+    (:meth:`param_dims`), and the layout changes of that module's inputs and outputs.
+
+    ``use_local_output`` is taken as torch's styles take it, and changes nothing: in torch it
+    hands the next module a rank's local tensor, whose shapes the model code must expect; here
+    every value stays a global ``fd.DTensor``, so the model code sees the shapes it sees on one
+    device, and the layout travels with the value."""
 
     axis: str
 
@@ -42,16 +50,26 @@ class Style:
     def outputs(self, module: nn.Module) -> tuple[Placement | None, ...] | None:
         return None
 
+    def arity(self) -> int | None:
+        """How many positional inputs the module's call must have (None: any)."""
+        return None
+
+    def kwarg_inputs(self, module: nn.Module) -> dict[str, Placement] | None:
+        """Per keyword input, the placement it needs on the axis (None: as they come)."""
+        return None
+
 
 def _kind(module: nn.Module, style: str) -> str:
     if isinstance(module, nn.Linear):
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if _is_conv1d(module):
+        return "conv1d"
     raise InputTypeError(
         explain(
             f"fd.{style}",
-            f"{style} shards the weights of nn.Linear and nn.Embedding",
+            f"{style} shards the weights of nn.Linear and nn.Embedding (and transformers' Conv1D)",
             expected="a plan entry naming an nn.Linear or nn.Embedding",
             got=type(module).__name__,
             fix="name the Linear or Embedding inside it, or use fd.distribute_module(partition_fn=...)",
@@ -59,11 +77,25 @@ def _kind(module: nn.Module, style: str) -> str:
     )
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's linear layers): ``x @ weight + bias`` with the weight
+    stored ``(in, out)``, the transpose of ``nn.Linear``'s."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(getattr(module, "nf", None), int)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.shape[1] == module.nf
+    )
+
+
 @public
 @dataclass(frozen=True)
 class ColwiseParallel(Style):
     """Shard an ``nn.Linear``'s output features (weight and bias ``Shard(0)``; an
-    ``nn.Embedding``'s embedding dim) over ``axis``: the input is made ``Replicate`` there, the
+    ``nn.Embedding``'s embedding dim; transformers' ``Conv1D``, weight ``Shard(1)``) over
+    ``axis``: the input is made ``Replicate`` there, the
     output comes out ``Shard(-1)`` (``output_layouts``: another placement to redistribute it
     to). ``input_layouts`` (DTensor's annotation) lays out a plain tensor input: an
     ``fd.DTensor`` input carries its own layout."""
@@ -71,9 +103,12 @@ class ColwiseParallel(Style):
     axis: str = "tp"
     input_layouts: Placement = Replicate()
     output_layouts: Placement = Shard(-1)
+    use_local_output: bool = False  # torch's signature; outputs stay global values (see Style)
 
     def param_dims(self, module, name):
         kind = _kind(module, "ColwiseParallel")
+        if kind == "conv1d":
+            return 1 if name == "weight" else 0
         return 1 if kind == "embedding" else 0
 
     def inputs(self, module):
@@ -87,18 +122,22 @@ class ColwiseParallel(Style):
 @dataclass(frozen=True)
 class RowwiseParallel(Style):
     """Shard an ``nn.Linear``'s input features (weight ``Shard(1)``, bias replicated; an
-    ``nn.Embedding``'s rows) over ``axis``: the input is made ``Shard(-1)`` there (an
+    ``nn.Embedding``'s rows; transformers' ``Conv1D``, weight ``Shard(0)``) over ``axis``: the
+    input is made ``Shard(-1)`` there (an
     embedding's indices ``Replicate``), the partial output reduced to ``output_layouts``
     (``Replicate``: an all-reduce; ``Shard(1)``: a reduce-scatter, for sequence parallel)."""
 
     axis: str = "tp"
     input_layouts: Placement = Shard(-1)
     output_layouts: Placement = Replicate()
+    use_local_output: bool = False
 
     def param_dims(self, module, name):
         kind = _kind(module, "RowwiseParallel")
         if kind == "embedding":
             return 0
+        if kind == "conv1d":
+            return 0 if name == "weight" else None
         return 1 if name == "weight" else None
 
     def inputs(self, module):
@@ -117,6 +156,7 @@ class SequenceParallel(Style):
 
     axis: str = "tp"
     sequence_dim: int = 1
+    use_local_output: bool = False
 
     def inputs(self, module):
         return (Shard(self.sequence_dim),)
@@ -150,15 +190,52 @@ class FullyShard(Style):
 @public
 @dataclass(frozen=True)
 class PrepareModuleInput(Style):
-    """Redistribute a module's positional inputs on ``axis``: ``desired_input_layouts`` one
-    placement (or None: as it comes) per input; ``input_layouts`` lays out plain tensors."""
+    """Redistribute a module's inputs on ``axis``: ``desired_input_layouts`` one placement (or
+    None: as it comes) per positional input, ``desired_input_kwarg_layouts`` one per keyword
+    input by name; ``input_layouts`` / ``input_kwarg_layouts`` lay out plain tensors. As in
+    torch, ``input_layouts`` and ``desired_input_layouts`` have one entry per positional input
+    (the module's call is checked against them)."""
 
     input_layouts: tuple[Placement | None, ...] | Placement | None = None
     desired_input_layouts: tuple[Placement | None, ...] | Placement | None = None
+    input_kwarg_layouts: dict[str, Placement] | None = None
+    desired_input_kwarg_layouts: dict[str, Placement] | None = None
+    use_local_output: bool = False
     axis: str = "tp"
+
+    def __post_init__(self):
+        given, desired = _as_tuple(self.input_layouts), _as_tuple(self.desired_input_layouts)
+        if given is not None and desired is not None and len(given) != len(desired):
+            raise InputTypeError(
+                explain(
+                    "fd.PrepareModuleInput(desired_input_layouts)",
+                    "input_layouts and desired_input_layouts name the same positional inputs",
+                    expected=f"{len(given)} desired layouts (one per input layout)",
+                    got=f"{len(desired)}",
+                    fix="give one placement (or None) per positional input in both",
+                )
+            )
+        given_kw, desired_kw = self.input_kwarg_layouts or {}, self.desired_input_kwarg_layouts or {}
+        if given_kw and set(given_kw) != set(desired_kw):
+            raise InputTypeError(
+                explain(
+                    "fd.PrepareModuleInput(desired_input_kwarg_layouts)",
+                    "input_kwarg_layouts and desired_input_kwarg_layouts name the same keyword inputs",
+                    expected=f"the names {sorted(given_kw)}",
+                    got=f"{sorted(desired_kw)}",
+                    fix="give a desired placement for every keyword input you lay out",
+                )
+            )
 
     def inputs(self, module):
         return _as_tuple(self.desired_input_layouts)
+
+    def arity(self) -> int | None:
+        given = _as_tuple(self.input_layouts)
+        return len(given) if given is not None else None
+
+    def kwarg_inputs(self, module):
+        return dict(self.desired_input_kwarg_layouts) if self.desired_input_kwarg_layouts else None
 
 
 @public
@@ -169,6 +246,7 @@ class PrepareModuleOutput(Style):
 
     output_layouts: tuple[Placement | None, ...] | Placement | None = None
     desired_output_layouts: tuple[Placement | None, ...] | Placement | None = None
+    use_local_output: bool = False
     axis: str = "tp"
 
     def outputs(self, module):
@@ -179,3 +257,50 @@ def _as_tuple(value) -> tuple | None:
     if value is None:
         return None
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+#: transformers' plan strings (``model._tp_plan``, ``config.base_model_tp_plan``) as fd's styles
+TRANSFORMERS_STYLES = {
+    "colwise": lambda axis: ColwiseParallel(axis),
+    "colwise_rep": lambda axis: ColwiseParallel(axis, output_layouts=Replicate()),
+    "colwise_gather_output": lambda axis: ColwiseParallel(axis, output_layouts=Replicate()),
+    "rowwise": lambda axis: RowwiseParallel(axis),
+    "rowwise_rep": lambda axis: RowwiseParallel(axis),
+    "rowwise_split_input": lambda axis: RowwiseParallel(axis, input_layouts=Replicate()),
+    "embedding_rowwise": lambda axis: RowwiseParallel(axis),
+    "embedding_colwise": lambda axis: ColwiseParallel(axis),
+    "sequence_parallel": lambda axis: SequenceParallel(axis),
+    "replicate": lambda axis: ReplicateParallel(axis),
+    "replicated_with_grad_allreduce": lambda axis: ReplicateParallel(axis),
+}
+
+
+def style_of_string(name: str, axis_names: tuple[str, ...], where: str) -> Style:
+    """The fd style of transformers' plan string ``name``, on the mesh's ``"tp"`` axis (or its
+    one axis)."""
+    if name not in TRANSFORMERS_STYLES:
+        raise InputTypeError(
+            explain(
+                where,
+                "a plan string names one of transformers' styles fd takes",
+                expected=f"one of {sorted(TRANSFORMERS_STYLES)}",
+                got=repr(name),
+                fix="use an fd style for this module (packed and expert-parallel styles: shard the "
+                "weights with fd.distribute_module)",
+            )
+        )
+    if "tp" in axis_names:
+        axis = "tp"
+    elif len(axis_names) == 1:
+        axis = axis_names[0]
+    else:
+        raise InputTypeError(
+            explain(
+                where,
+                "a plan string shards over the mesh's tensor-parallel axis",
+                expected='a mesh with a "tp" axis, or a mesh of one axis',
+                got=f"axes {axis_names}",
+                fix="name the mesh's axes (dp, tp), or write fd styles with axis=...",
+            )
+        )
+    return TRANSFORMERS_STYLES[name](axis)

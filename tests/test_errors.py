@@ -140,7 +140,9 @@ CASES = [
     # --- module sharding, the optimizer, clipping
     ("plan-not-a-dict", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, [("", fd.ColwiseParallel("x"))]), fd.InputTypeError, TypeError, ["parallelize_plan", "dict"]),
     ("plan-no-module", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"nope": fd.ColwiseParallel("x")}), fd.LayoutError, ValueError, ["parallelize_plan['nope']", "matches no module"]),
-    ("plan-torch-style", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"": "colwise"}), fd.InputTypeError, TypeError, ["parallelize_plan['']", "'colwise'"]),
+    ("plan-unknown-string", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"": "colwize"}), fd.InputTypeError, TypeError, ["parallelize_plan['']", "'colwize'", "'colwise'"]),
+    ("plan-string-without-tp", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"": "colwise"}), fd.InputTypeError, TypeError, ["parallelize_plan['']", '"tp" axis', "('x', 'y')"]),
+    ("prepare-input-arity", lambda: fd.PrepareModuleInput(input_layouts=(fd.Replicate(), fd.Replicate()), desired_input_layouts=(fd.Shard(0),)), fd.InputTypeError, TypeError, ["desired_input_layouts", "2 desired layouts"]),
     ("plan-unknown-axis", lambda: fd.parallelize_module(torch.nn.Linear(4, 4), MESH, {"": fd.ColwiseParallel("tp")}), fd.LayoutError, ValueError, ["'tp'", "('x', 'y')"]),
     ("plan-colwise-conv", lambda: fd.parallelize_module(torch.nn.Conv1d(1, 1, 1), MESH, {"": fd.ColwiseParallel("x")}), fd.InputTypeError, TypeError, ["ColwiseParallel", "Conv1d", "distribute_module"]),
     ("module-not-a-module", lambda: fd.parallelize_module(lambda x: x, MESH, {}), fd.InputTypeError, TypeError, ["fd.parallelize_module(module)", "function"]),

@@ -484,8 +484,14 @@ HOST_TENSORS = {
     ): "a number with spec P(), moved to the mesh's device with the other arguments",
     ("_simulated/engine.py", "torch.arange(size)"): "vmap's device count, dropped before the function runs",
     ("_random_draws.py", "torch.zeros(1, dtype=torch.int64)"): "runs of indices for the CPU's C kernels",
-    ("_random_draws.py", "torch.full((1,), base, dtype=torch.int64)"): "runs of indices for the CPU's C kernels",
-    ("_random_draws.py", "torch.arange(local[d], dtype=torch.int64)"): "runs of indices for the CPU's C kernels",
+    (
+        "_random_draws.py",
+        "torch.full((1,), base, dtype=torch.int64)",
+    ): "runs of indices for the CPU's C kernels",
+    (
+        "_random_draws.py",
+        "torch.arange(local[d], dtype=torch.int64)",
+    ): "runs of indices for the CPU's C kernels",
     (
         "random.py",
         "torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64)",

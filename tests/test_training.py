@@ -371,8 +371,8 @@ def test_bad_plans_and_calls_are_clear_errors():
         fd.parallelize_module(model, mesh, {"1": fd.ColwiseParallel()})
     with pytest.raises(fd.LayoutError, match="mesh axis"):
         fd.parallelize_module(model, mesh, {"0": fd.ColwiseParallel("model")})
-    with pytest.raises(fd.InputTypeError, match="style"):
-        fd.parallelize_module(model, mesh, {"0": "colwise"})
+    with pytest.raises(fd.InputTypeError, match="plan string"):
+        fd.parallelize_module(model, mesh, {"0": "colwize"})
     with pytest.raises(fd.InputTypeError, match="dict"):
         fd.parallelize_module(model, mesh, [("0", fd.ColwiseParallel())])
     with pytest.raises(fd.InputTypeError, match="nn.Module"):

@@ -294,9 +294,28 @@ def _cat_local(func, args, kwargs, ctx):
     return func(args[0], dim - ndim)
 
 
+def _cat_of_values(tensors, dim=0):
+    """``torch.cat`` of values of one rank (its rule's form)."""
+    return torch.cat(tensors, dim)
+
+
+def _cat(func, args, kwargs, ctx):
+    """``torch.cat`` as torch takes it: an empty 1-d tensor (a cache's first state) is left
+    out where the others have more dims."""
+    tensors = list(args[0] if args else kwargs["tensors"])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    if any(t.dim() > 1 for t in tensors):
+        tensors = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
+    return dispatch(_cat_of_values, (tensors, dim), {})
+
+
+register(
+    [_cat_of_values],
+    Handler(rules.concatenation, _cat_params(False), _cat_local, "cat", batched="leading"),
+)
 register(
     [torch.cat, torch.concat, torch.concatenate],
-    Handler(rules.concatenation, _cat_params(False), _cat_local, "cat", batched="leading"),
+    Handler(None, no_params, _cat, "cat", explained_as=_cat_of_values),
 )
 register(
     [torch.stack], Handler(rules.concatenation, _cat_params(True), _cat_local, "stack", batched="leading")
