@@ -1,14 +1,21 @@
 """A checkpoint's directory (:mod:`functional_dtensor.checkpoint`): files, checksums and the
 manifest that records them, the atomic move into place, and the check of every file against
-the manifest before a load."""
+the manifest before a load; a directory ``torch.distributed.checkpoint`` wrote without the
+manifest, read from DCP's own metadata."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._checkpoint_processes import gathered, rank_and_world
 from ._errors import CheckpointError, explain
@@ -26,12 +33,17 @@ __all__ = [
     "write_json",
     "read_manifest",
     "verify_files",
+    "DCP_METADATA",
+    "dcp_entries",
+    "verify_dcp_files",
 ]
 
 #: the manifest's file name inside a checkpoint directory
 MANIFEST = "fd_checkpoint.json"
 FORMAT = "functional_dtensor.checkpoint"
 VERSION = 1
+#: DCP's index of a checkpoint directory: every value's key, shape, dtype and where its blocks lie
+DCP_METADATA = ".metadata"
 
 
 def digest(file: Path) -> str:
@@ -105,10 +117,14 @@ def write_json(file: Path, content: dict) -> None:
         os.fsync(f.fileno())
 
 
-def read_manifest(path: Path, api: str) -> dict:
+def read_manifest(path: Path, api: str) -> dict | None:
+    """The manifest of the checkpoint at ``path``; None for a directory DCP wrote without it
+    (``torch.distributed.checkpoint.save``'s: read it with :func:`dcp_entries`)."""
     where = f"{api}({str(path)!r})"
     file = path / MANIFEST
     if not file.is_file():
+        if (path / DCP_METADATA).is_file():
+            return None
         _, previous = siblings(path)
         if not path.exists():
             what, got = "no checkpoint at this path", "nothing there"
@@ -117,12 +133,14 @@ def read_manifest(path: Path, api: str) -> dict:
                 got += f", but {previous.name} beside it"
                 fix = f"a save was interrupted while replacing the checkpoint: load {previous}"
         else:
-            what, got = f"the checkpoint has no manifest ({MANIFEST})", "a directory without it"
+            what = f"the checkpoint has no manifest ({MANIFEST}) and no DCP metadata ({DCP_METADATA})"
+            got = "a directory without them"
             fix = (
-                "load a checkpoint written by fd.checkpoint.save (the manifest is written last: "
-                "a save that did not finish has none)"
+                "load a checkpoint written by fd.checkpoint.save or torch.distributed.checkpoint.save "
+                "(each writes its index last: a save that did not finish has none)"
             )
-        raise CheckpointError(explain(where, what, expected=f"a directory with {MANIFEST}", got=got, fix=fix))
+        expected = f"a directory with {MANIFEST} (or DCP's {DCP_METADATA})"
+        raise CheckpointError(explain(where, what, expected=expected, got=got, fix=fix))
     try:
         manifest = json.loads(file.read_text("utf-8"))
         if manifest.get("format") != FORMAT:
@@ -171,3 +189,101 @@ def verify_files(path: Path, manifest: dict, collective: bool, api: str) -> None
                 fix="the checkpoint is damaged: load an older one, or save again",
             )
         )
+
+
+# --- directories torch.distributed.checkpoint wrote ---------------------------------------------
+
+
+def dcp_entries(path: Path, api: str) -> tuple[dict, Any]:
+    """The leaves of a directory DCP wrote without the manifest (``torch.distributed.checkpoint
+    .save``'s), by key as the manifest records them (a leaf's path from DCP's record of the
+    nested state dict, where it kept one), and DCP's metadata."""
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:  # DCP unpickles its metadata: a damaged file fails in many ways
+        raise CheckpointError(
+            explain(
+                f"{api}({str(path)!r})",
+                f"DCP's metadata {path / DCP_METADATA} is not readable",
+                expected="the metadata torch.distributed.checkpoint.save writes",
+                got=f"{type(error).__name__}: {error}",
+                fix="the checkpoint is damaged: load an older one",
+            )
+        ) from None
+    routes = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    entries = {}
+    for key, item in metadata.state_dict_metadata.items():
+        route = routes.get(key)
+        route = route if isinstance(route, tuple) else (key,)
+        tensor = isinstance(item, TensorStorageMetadata)
+        entries[key] = {
+            "key": key,
+            "path": "state" + "".join(f"[{entry!r}]" for entry in route),
+            "kind": "tensor" if tensor else "object",
+            "shape": list(item.size) if tensor else None,
+            "dtype": str(item.properties.dtype) if tensor else None,
+        }
+    return entries, metadata
+
+
+def verify_dcp_files(path: Path, metadata: Any, collective: bool, api: str, *, crc: bool) -> None:
+    """Every file DCP's metadata names is there and holds the bytes it records; with ``crc``,
+    each item (a ``torch.save`` archive) also matches the CRC-32 of its archive entries (the
+    work split over the ranks). DCP keeps no checksum of its own: the archives' are checked."""
+    items = sorted(
+        (
+            info.relative_path,
+            int(info.offset),
+            int(info.length),
+            not getattr(info, "transform_descriptors", None),
+        )
+        for info in (metadata.storage_data or {}).values()
+        if isinstance(getattr(info, "relative_path", None), str)
+    )
+    ends: dict[str, int] = {}
+    for name, offset, length, _ in items:
+        ends[name] = max(ends.get(name, 0), offset + length)
+    mine = []
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file():
+            mine.append(f"{file} is missing")
+        elif (size := file.stat().st_size) < end:
+            mine.append(f"{file} is truncated: {size} bytes, DCP's metadata records {end}")
+    if crc and not mine:
+        rank, world = rank_and_world(collective)
+        mine = [p for item in items[rank::world] if (p := _archive_problem(path, *item))]
+    # every rank sees every problem (and raises with the others)
+    problems = list(dict.fromkeys(p for part in gathered(mine, collective) for p in part))
+    if problems:
+        raise CheckpointError(
+            explain(
+                f"{api}({str(path)!r})",
+                problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                expected=f"every file {DCP_METADATA} names, as long as it records, each item as written "
+                "(CRC-32)",
+                got="; ".join(problems),
+                fix="the checkpoint is damaged: load an older one, or save again",
+            )
+        )
+
+
+def _archive_problem(path: Path, name: str, offset: int, length: int, plain: bool) -> str | None:
+    """What is wrong with DCP's item at ``offset`` of file ``name``, a ``torch.save`` archive
+    (where no transform such as compression was applied), if it does not read back with the
+    CRC-32s it was written with (an entry recorded without one, 0, is not checked); else None."""
+    if not plain:
+        return None
+    with open(path / name, "rb") as f:
+        f.seek(offset)
+        blob = f.read(length)
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            for entry in archive.infolist():
+                if entry.CRC:
+                    with archive.open(entry) as data:
+                        while data.read(1 << 22):
+                            pass
+    except Exception as error:  # zipfile reports damage in many ways (bad CRC, headers, names)
+        return f"{path / name} is corrupted at bytes {offset}..{offset + length}: {error}"
+    return None

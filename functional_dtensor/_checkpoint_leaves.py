@@ -1,6 +1,6 @@
 """The leaves of a checkpoint's state (:mod:`functional_dtensor.checkpoint`): each leaf's
 checkpoint key and pytree path, the checks of what a checkpoint can keep, and the check that a
-``like`` has the saved structure, shapes and dtypes."""
+``like`` names saved leaves (all of them or some), with their shapes and dtypes."""
 
 from __future__ import annotations
 
@@ -127,10 +127,22 @@ def _mismatch(api: str, where: str, what: str, expected: str, got: str) -> Check
 
 
 def check_like(saved: dict, structure: str, leaves: list[Leaf], like_structure: str, api: str) -> None:
-    """Raise unless ``like``'s leaves are the saved ones, with their kinds, shapes and dtypes."""
-    wanted = {leaf.key: leaf for leaf in leaves}
+    """Raise unless each of ``like``'s leaves is a saved one (at its pytree path, where
+    ``structure`` records the saved state's), of its kind, shape and dtype. A ``like`` may name
+    some of the saved leaves; one that names them all has the saved containers."""
     for leaf in leaves:
         if leaf.key not in saved:
+            whole = [e for k, e in saved.items() if leaf.key.startswith(f"{k}.") and e["kind"] == "object"]
+            if whole:  # torch's DCP keeps a list or tuple of Python values as one value
+                raise CheckpointError(
+                    explain(
+                        f"{api}({leaf.where})",
+                        f"the checkpoint holds {whole[0]['path']} whole, as one Python value",
+                        expected="one leaf of like for it",
+                        got=f"a leaf inside it, {leaf.where}",
+                        fix="put one leaf (None, say) where the checkpoint has that value: it loads whole",
+                    )
+                )
             raise _mismatch(
                 api,
                 leaf.where,
@@ -138,16 +150,12 @@ def check_like(saved: dict, structure: str, leaves: list[Leaf], like_structure: 
                 "one of the saved leaves " + ", ".join(e["path"] for e in saved.values()),
                 f"{leaf.where}",
             )
-    for entry in saved.values():
-        if entry["key"] not in wanted:
+        path = saved[leaf.key]["path"]  # from the root "state" (save's), like's from "like"
+        if structure and path.removeprefix("state") != leaf.where.removeprefix("like"):
             raise _mismatch(
-                api,
-                "like",
-                f"like has no leaf at {entry['path']}",
-                "a leaf for every saved one",
-                f"none at {entry['path']}",
+                api, leaf.where, "the checkpoint keeps this leaf at another path", path, leaf.where
             )
-    if structure != like_structure:
+    if structure and len(leaves) == len(saved) and structure != like_structure:
         raise _mismatch(api, "like", "the containers differ", structure, like_structure)
     for leaf in leaves:
         entry = saved[leaf.key]

@@ -8,6 +8,10 @@ optimizer's state (momenta, second moments) is held beside them, laid out the sa
 values passed in are not changed. On the simulated backend a block replicated over a mesh axis
 is updated once, not once per device.
 
+It is a ``torch.optim.Optimizer`` whose ``param_groups`` are those of the optimizer it holds, so
+``torch.optim.lr_scheduler`` schedulers drive it as they drive that optimizer: a scheduler's
+``step()`` sets ``param_groups[i]["lr"]``, which the next ``step(params, grads)`` uses.
+
 :func:`clip_grad_norm` scales gradients by their global norm (a reduction across shards: one
 all-reduce per distinct layout, not per parameter).
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 import optree
 import torch
@@ -57,7 +62,7 @@ ELEMENTWISE = (
 
 
 @public
-class Optimizer:
+class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim`` optimizer over a pytree of ``fd.DTensor`` parameters, functionally:
     ``new_params = opt.step(params, grads)``.
 
@@ -67,6 +72,23 @@ class Optimizer:
     ``elementwise=True`` says it is). ``state_dict()`` gives the state as ``fd.DTensor`` laid
     out like the parameters (for :mod:`fd.checkpoint`), ``load_state_dict`` takes it back
     (redistributed to this optimizer's layouts).
+
+    It is a ``torch.optim.Optimizer``: ``param_groups``, ``state`` and ``defaults`` are those of
+    the stock optimizer it holds over the shards (``param_groups[0]["params"]`` are the blocks
+    this process updates), so a ``torch.optim.lr_scheduler`` scheduler drives it as it drives a
+    torch optimizer, and step hooks see each ``step(params, grads)``:
+
+    >>> import torch, functional_dtensor as fd
+    >>> mesh = fd.simulated_mesh(2, "x")
+    >>> params = {"w": fd.ones(4, mesh=mesh, placements=fd.P("x"))}
+    >>> opt = fd.Optimizer(torch.optim.SGD, params, lr=1.0)
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    >>> grads = {"w": fd.ones(4, mesh=mesh, placements=fd.P())}
+    >>> for _ in range(2):
+    ...     params = opt.step(params, grads)
+    ...     sched.step()
+    >>> params["w"].full_tensor().tolist(), opt.param_groups[0]["lr"]  # 1 - 1.0 - 0.5
+    ([-0.5, -0.5, -0.5, -0.5], 0.25)
     """
 
     def __init__(self, optimizer: type, params, /, *, elementwise: bool | None = None, **options) -> None:
@@ -124,9 +146,60 @@ class Optimizer:
         self._returned: list[weakref.ref | None] = [None] * len(leaves)
         self._options = options
         self.optimizer = optimizer(self._tensors, **options)
+        # torch.optim.Optimizer's own set-up, which unpickling an optimizer runs too: its hooks and
+        # its profiled step (whose calls a scheduler counts); param_groups, state and defaults
+        # are the held optimizer's (the properties below)
+        torch.optim.Optimizer.__setstate__(self, {})
 
     def __repr__(self) -> str:
         return f"fd.Optimizer({type(self.optimizer).__name__}, {len(self._tensors)} parameters)"
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The held optimizer's parameter groups: ``"lr"`` and the other options each step
+        reads (a scheduler sets them here), and the blocks this process updates."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self):
+        """The held optimizer's state, keyed by the blocks it updates (:meth:`state_dict` gives
+        it as values laid out like the parameters)."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The held optimizer's default options (``lr``, ``betas``, ...)."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    def __getstate__(self) -> dict[str, Any]:
+        # everything (torch.optim.Optimizer keeps only its groups and state), less the record
+        # of the storages the last step returned: a copy starts without it
+        return {**self.__dict__, "_returned": [None] * len(self._returned)}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the parameters are the pytree the optimizer was made with."""
+        raise InputTypeError(
+            explain(
+                "fd.Optimizer.add_param_group(param_group)",
+                "a step takes and returns the pytree of parameters the optimizer was made with",
+                expected="the parameters given to fd.Optimizer",
+                got="another parameter group",
+                fix="make an fd.Optimizer over the whole pytree (another one for parameters with "
+                "other options)",
+            )
+        )
 
     @staticmethod
     def _distinct(value: DTensor) -> torch.Tensor:
@@ -221,7 +294,9 @@ class Optimizer:
             for tensor in probe.param_groups[0]["params"]:
                 tensor.grad = torch.zeros_like(tensor)
             probe.step()
-        return self._as_values(probe.state_dict())
+        # this optimizer's groups, as a scheduler left them (its "initial_lr" included)
+        groups = self.optimizer.state_dict()["param_groups"]
+        return self._as_values({"state": probe.state_dict()["state"], "param_groups": groups})
 
     def _as_values(self, inner: dict) -> dict:
         state = {}

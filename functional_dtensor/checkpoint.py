@@ -41,11 +41,13 @@ from ._checkpoint_files import (
     VERSION,
     check_target,
     checksum,
+    dcp_entries,
     digest,
     move_into_place,
     read_manifest,
     remove,
     siblings,
+    verify_dcp_files,
     verify_files,
     write_json,
 )
@@ -159,32 +161,47 @@ def save(path: str | os.PathLike, state, /) -> None:
 
 
 def load(path: str | os.PathLike, like, /, *, verify: bool = True):
-    """The state saved at ``path`` by :func:`save`, as new values laid out like ``like``.
+    """The state saved at ``path`` by :func:`save` (or by ``torch.distributed.checkpoint.save``),
+    as new values laid out like ``like``.
 
-    ``like`` is a pytree of the saved structure whose leaves say what to build: an
-    ``fd.DTensor`` (a meta value is enough: ``fd.zeros(..., device="meta")``) gives the mesh and
-    layout of the value returned, on either backend, whatever mesh and layout it was saved from;
-    a tensor gives a tensor of its device; any other leaf a Python value, the saved one. (A
-    Partial layout gets the value on the first device of each ``Partial("sum")`` axis and zeros
-    on the others; for avg, max and min the value on every device.) A value needs a gradient
-    where its ``like`` leaf does (load a model's parameters like the parameters). Shapes and
-    dtypes must be the saved ones. ``like`` is not changed. On the distributed backend call
-    it on every rank: each reads only the parts of the files its shards need.
+    ``like`` is a pytree of the saved structure, or of a part of it (it names some of the saved
+    leaves: those are loaded), whose leaves say what to build: an ``fd.DTensor`` (a meta value
+    is enough: ``fd.zeros(..., device="meta")``) gives the mesh and layout of the value
+    returned, on either backend, whatever mesh and layout it was saved from; a tensor gives a
+    tensor of its device; any other leaf a Python value, the saved one. (A Partial layout gets
+    the value on the first device of each ``Partial("sum")`` axis and zeros on the others; for
+    avg, max and min the value on every device.) A value needs a gradient where its ``like``
+    leaf does (load a model's parameters like the parameters). Shapes and dtypes must be the
+    saved ones. ``like`` is not changed. On the distributed backend call it on every rank: each
+    reads only the parts of the files its shards need.
+
+    A directory that ``torch.distributed.checkpoint.save`` wrote (torch ``DTensor`` values,
+    tensors, Python values; no manifest) loads the same way: a leaf's key is its path joined
+    with dots, as DCP flattens a nested state dict (``like={"model": {"w": ...}}`` reads
+    ``"model.w"``), and DCP's metadata gives the shapes and dtypes.
 
     With ``verify`` (the default) every file is first checked against the manifest (its size
-    and SHA-256, the work split over the ranks). Raises :class:`fd.CheckpointError` for a
-    missing, truncated or corrupted checkpoint (naming the file), and for a ``like`` whose
-    structure, shapes or dtypes differ from the saved state (naming the pytree path).
+    and SHA-256, the work split over the ranks). A directory torch wrote has no manifest: every
+    file DCP's metadata names must be there and as long as it records, and with ``verify``
+    each item (a ``torch.save`` archive) must match the CRC-32s of its entries. Raises
+    :class:`fd.CheckpointError` for a missing, truncated or corrupted checkpoint (naming the
+    file), and for a ``like`` leaf that is not saved or whose shape or dtype differs from the
+    saved one (naming the pytree path).
     """
     api = "fd.checkpoint.load"
     path = Path(path)
     leaves, like_structure = leaves_of(like, "like", api)
     collective = is_collective(leaves, api)
     manifest = read_manifest(path, api)
-    saved = {entry["key"]: entry for entry in manifest["leaves"]}
-    check_like(saved, manifest["structure"], leaves, like_structure, api)
-    if verify:
-        verify_files(path, manifest, collective, api)
+    if manifest is None:  # a directory torch.distributed.checkpoint wrote: DCP's metadata alone
+        saved, metadata = dcp_entries(path, api)
+        check_like(saved, "", leaves, like_structure, api)
+        verify_dcp_files(path, metadata, collective, api, crc=verify)
+    else:
+        saved = {entry["key"]: entry for entry in manifest["leaves"]}
+        check_like(saved, manifest["structure"], leaves, like_structure, api)
+        if verify:
+            verify_files(path, manifest, collective, api)
     state_dict, buffers = {}, {}
     for leaf in leaves:
         if saved[leaf.key]["kind"] == "object":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -415,9 +416,18 @@ def damage(path, how: str) -> str:
     if how == "no metadata":
         (path / ".metadata").unlink()
         return r"\.metadata is missing"
-    if how == "no manifest":
+    if how == "no index":  # neither fd's manifest nor DCP's metadata
         (path / ckpt.MANIFEST).unlink()
-        return "no manifest"
+        (path / ".metadata").unlink()
+        return r"no manifest \(fd_checkpoint.json\) and no DCP metadata \(.metadata\)"
+    if how == "no manifest, flipped data":  # read as DCP's directory: its archives' CRC-32s checked
+        (path / ckpt.MANIFEST).unlink()
+        raw = bytearray(data.read_bytes())
+        at = raw.find(original((9, 2))[7:9].numpy().tobytes())  # the last device's block
+        assert at > 0
+        raw[at + 5] ^= 0x01
+        data.write_bytes(bytes(raw))
+        return rf"{data.name} is corrupted at bytes .*Bad CRC-32"
     if how == "edited manifest":
         text = (path / ckpt.MANIFEST).read_text()
         (path / ckpt.MANIFEST).write_text(text.replace('"step"', '"steps"', 1))
@@ -429,7 +439,16 @@ def damage(path, how: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "how", ["truncated", "flipped", "no metadata", "no manifest", "edited manifest", "bad manifest"]
+    "how",
+    [
+        "truncated",
+        "flipped",
+        "no metadata",
+        "no index",
+        "no manifest, flipped data",
+        "edited manifest",
+        "bad manifest",
+    ],
 )
 def test_a_damaged_checkpoint_is_a_clear_error_naming_the_file(tmp_path, how):
     path = tmp_path / "ckpt"
@@ -464,7 +483,11 @@ LIKE_MISMATCHES = [
         r"like\['w'\]\): the dtype differs: expected torch.float32, got torch.int64",
     ),
     ("extra leaf", lambda like: like | {"v": 1}, r"like\['v'\]\): the checkpoint has no such leaf"),
-    ("missing leaf", lambda like: {"w": like["w"]}, r"like has no leaf at state\['step'\]"),
+    (
+        "another path",
+        lambda like: {"w": {"inner": like["w"]}, "step": 0},
+        r"like\['w'\]\['inner'\]\): the checkpoint has no such leaf",
+    ),
     (
         "kind",
         lambda like: like | {"step": torch.zeros(())},
@@ -511,3 +534,183 @@ def test_paths_that_join_to_the_same_key_are_refused(tmp_path):
     ):
         ckpt.save(tmp_path / "ckpt", {"a.b": 1, "a": {"b": 2}})
     assert not (tmp_path / "ckpt").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a part of a checkpoint, and directories torch.distributed.checkpoint wrote.
+
+
+def test_a_like_naming_some_saved_leaves_loads_those(tmp_path):
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    w = fd.distribute_tensor(original((5, 3)), mesh, fd.P("tp", "dp"))
+    state = {
+        "params": {"w": w, "b": fd.distribute_tensor(original((7,), torch.bfloat16), mesh, fd.P("dp"))},
+        "optim": [
+            {"m": fd.zeros(5, 3, mesh=mesh, placements=fd.P("dp")), "count": torch.tensor(4)},
+            (1.5, None),
+        ],
+        "step": 3,
+    }
+    ckpt.save(tmp_path / "ckpt", state)
+    big = fd.simulated_mesh(8, "x")
+    part = ckpt.load(tmp_path / "ckpt", {"params": {"w": meta_like(w, big, fd.P(None, "x"))}, "step": 0})
+    assert list(part) == ["params", "step"] and list(part["params"]) == ["w"] and part["step"] == 3
+    assert part["params"]["w"].sharding == fd.Layout.from_spec(big, fd.P(None, "x"))
+    assert same(part["params"]["w"].full_tensor(), original((5, 3)))
+    inner = ckpt.load(tmp_path / "ckpt", {"optim": [{"count": torch.tensor(0)}]})
+    assert same(inner["optim"][0]["count"], torch.tensor(4))
+    # a leaf whose key is a saved one's, at another path
+    ckpt.save(tmp_path / "dotted", {"a.b": 1, "c": 2})
+    with pytest.raises(fd.CheckpointError, match=r"like\['a'\]\['b'\]\): the checkpoint keeps this leaf at"):
+        ckpt.load(tmp_path / "dotted", {"a": {"b": 0}})
+    assert ckpt.load(tmp_path / "dotted", {"c": 0}) == {"c": 2}
+
+
+#: the values torch writes, by key; how each loads back: (shape, dtype, the like's spec)
+TORCH_VALUES = {
+    "w": ((7, 5), torch.float32, lambda names: fd.P(None, names[-1])),
+    "b": ((6,), torch.bfloat16, lambda names: fd.P(names[-1])),
+    "e": ((5, 3), torch.int64, lambda names: fd.P(names[0])),
+}
+
+
+def job_torch_save(mesh, path: str) -> None:
+    """torch.distributed.checkpoint.save of a nested state: on gloo ranks the torch DTensors of
+    fd values (fd.to_torch, each rank its shard), on the simulated mesh (which torch's DCP
+    cannot save from one process) their global tensors; a plain tensor and Python values."""
+    import torch.distributed.checkpoint as dcp
+
+    names = mesh.axis_names
+    specs = {"w": fd.P(names[0]), "b": fd.P(tuple(reversed(names))), "e": fd.P()}  # b: strided on 2-d
+    values = {
+        k: fd.distribute_tensor(original(s, d), mesh, specs[k]) for k, (s, d, _) in TORCH_VALUES.items()
+    }
+    distributed = mesh.backend != "simulated"
+    model = {k: fd.to_torch(v) if distributed else v.full_tensor() for k, v in values.items()}
+    state = {"model": model, "plain": original((3,)), "step": 9, "betas": (0.9, 0.99)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when it runs in one process
+        dcp.save(state, checkpoint_id=path, no_dist=not distributed)
+
+
+def job_load_torch(mesh, path: str) -> dict:
+    names = mesh.axis_names
+    model = {
+        k: fd.zeros(s, dtype=d, mesh=mesh, placements=spec(names), device="meta")
+        for k, (s, d, spec) in TORCH_VALUES.items()
+    }
+    like = {"model": model, "plain": torch.zeros(3), "step": 0, "betas": None}  # betas: saved whole
+    loaded = ckpt.load(path, like)
+    part = ckpt.load(path, {"model": {"b": fd.zeros(6, dtype=torch.bfloat16, mesh=mesh, placements=fd.P())}})
+    return {
+        "model": {
+            k: (v.full_tensor(), v.local_shards(), str(v.sharding)) for k, v in loaded["model"].items()
+        },
+        "rest": (loaded["plain"], loaded["step"], loaded["betas"]),
+        "part": {k: {n: v.full_tensor() for n, v in m.items()} for k, m in part.items()},
+    }
+
+
+def job_save_and_load_a_part(mesh, path: str) -> list[torch.Tensor]:
+    names = mesh.axis_names
+    w = fd.distribute_tensor(original((7, 5)), mesh, fd.P(names[0]))
+    ckpt.save(path, {"values": {"w": w, "v": w * 2}, "step": 9})
+    part = ckpt.load(path, {"values": {"w": meta_like(w, mesh, fd.P(None, names[-1]))}})
+    assert list(part) == ["values"] and list(part["values"]) == ["w"]
+    return part["values"]["w"].local_shards()
+
+
+def check_torch_loaded(answers, mesh_shape, names) -> None:
+    mesh = fd.simulated_mesh(mesh_shape, names)
+    for key, (shape, dtype, spec) in TORCH_VALUES.items():
+        expected = fd.distribute_tensor(original(shape, dtype), mesh, spec(names)).local_shards()
+        shards = [s for answer in answers for s in answer["model"][key][1]]
+        assert len(shards) == len(expected) and all(same(a, b) for a, b in zip(shards, expected)), key
+        assert all(same(a["model"][key][0], original(shape, dtype)) for a in answers), key
+        assert all(a["model"][key][2] == str(fd.Layout.from_spec(mesh, spec(names))) for a in answers)
+    for answer in answers:
+        plain, step, betas = answer["rest"]
+        assert same(plain, original((3,))) and step == 9 and betas == (0.9, 0.99)
+        assert list(answer["part"]) == ["model"] and list(answer["part"]["model"]) == ["b"]
+        assert same(answer["part"]["model"]["b"], original((6,), torch.bfloat16))
+
+
+@pytest.mark.meshes((4,), (2, 2))
+def test_a_directory_torch_wrote_loads_resharded_and_in_part(backend, mesh, tmp_path):
+    """A directory torch.distributed.checkpoint.save wrote (no manifest) loads like fd's own:
+    onto other layouts, in part, bit-exact; written on gloo ranks from torch DTensors, it loads
+    on a simulated mesh too. A part of fd's own checkpoint loads on either backend."""
+    path = str(tmp_path / "torch")
+    backend.run(job_torch_save, mesh.shape, mesh.names, path)
+    assert not (tmp_path / "torch" / ckpt.MANIFEST).exists()
+    check_torch_loaded(backend.run(job_load_torch, mesh.shape, mesh.names, path), mesh.shape, mesh.names)
+    if not backend.is_simulated:
+        check_torch_loaded(Backend("simulated").run(job_load_torch, (8,), ("x",), path), (8,), ("x",))
+    answers = backend.run(job_save_and_load_a_part, mesh.shape, mesh.names, str(tmp_path / "fd"))
+    expected = fd.distribute_tensor(original((7, 5)), mesh.simulated(), fd.P(None, mesh.names[-1]))
+    shards = [s for answer in answers for s in answer]
+    assert len(shards) == mesh.size and all(same(a, b) for a, b in zip(shards, expected.local_shards()))
+
+
+def torch_checkpoint(path) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+
+    w = original((64, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when it runs in one process
+        dcp.save({"w": w, "step": 3, "pair": (1, 2)}, checkpoint_id=path, no_dist=True)
+    return w
+
+
+def torch_like() -> dict:
+    return {
+        "w": fd.zeros(64, 8, mesh=fd.simulated_mesh(2, "x"), placements=fd.P("x"), device="meta"),
+        "step": 0,
+    }
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "missing", "bad metadata"])
+def test_a_damaged_directory_torch_wrote_is_a_clear_error_never_wrong_values(tmp_path, how):
+    """DCP keeps no checksums; each of its items is a torch.save archive whose entries carry a
+    CRC-32: a changed byte of a tensor is found by it, a short or missing file by DCP's sizes."""
+    path = tmp_path / "ckpt"
+    w = torch_checkpoint(path)
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    if how == "flipped":
+        at = raw.find(w.numpy().tobytes())
+        assert at > 0
+        raw[at + 1000] ^= 0x01
+        data.write_bytes(bytes(raw))
+        message = r"__0_0.distcp is corrupted at bytes .*Bad CRC-32"
+    elif how == "truncated":
+        data.write_bytes(bytes(raw[:-3]))
+        message = r"__0_0.distcp is truncated: \d+ bytes, DCP's metadata records"
+    elif how == "missing":
+        data.unlink()
+        message = r"__0_0.distcp is missing"
+    else:
+        (path / ".metadata").write_bytes(b"\x80\x04not a pickle")
+        message = r"DCP's metadata .*\.metadata is not readable"
+    with pytest.raises(fd.CheckpointError, match=message) as error:
+        ckpt.load(path, torch_like())
+    assert "Fix:" in str(error.value)
+
+
+def test_a_directory_torch_wrote_names_its_keys_and_whole_values(tmp_path):
+    path = tmp_path / "ckpt"
+    w = torch_checkpoint(path)
+    loaded = ckpt.load(path, torch_like() | {"pair": None})
+    assert same(loaded["w"].full_tensor(), w) and loaded["step"] == 3 and loaded["pair"] == (1, 2)
+    with pytest.raises(
+        fd.CheckpointError, match=r"like\['pair'\]\[0\]\): the checkpoint holds state\['pair'\] whole"
+    ):
+        ckpt.load(path, {"pair": (0, 0)})
+    with pytest.raises(
+        fd.CheckpointError, match=r"like\['v'\]\): the checkpoint has no such leaf.*state\['w'\]"
+    ):
+        ckpt.load(path, {"v": 0})
+    with pytest.raises(fd.CheckpointError, match=r"like\['w'\]\): the shape differs"):
+        ckpt.load(path, {"w": torch.zeros(8, 64)})
+    with pytest.raises(fd.CheckpointError, match="not a checkpoint"):  # fd never writes over it
+        ckpt.save(path, {"w": 1})

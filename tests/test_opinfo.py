@@ -125,8 +125,6 @@ REFUSED = {
     "sparse.mm.reduce": "a sparse input",
     "sparse.sampled_addmm": "a sparse input",
     "to_sparse": "a sparse output",
-    # a sample fd refuses on purpose
-    "nn.functional.cross_entropy": "class probabilities as the target (fd takes int64 class indices)",
 }
 
 

@@ -57,12 +57,17 @@ def per_device(local, func, args, kwargs, ctx, storages):
     slots = [
         (p, inputs[id(v)]) for p, v in enumerate(leaves) if isinstance(v, torch.Tensor) and id(v) in inputs
     ]
+    # each storage unbound once: one autograd node whose backward stacks the blocks' gradients
+    # (indexing a device's block would be a node per device, each filling a whole storage)
+    blocks = {position: leaves[position].unbind(0) for position, _ in slots}
     results = []
     for device in range(decision.output.mesh.size):
         local_leaves = list(leaves)
         for position, i in slots:
-            block = leaves[position][device]
-            local_leaves[position] = block[tuple([slice(0, n) for n in tables[i].local_shapes[device]])]
+            block, size = blocks[position][device], tables[i].local_shapes[device]
+            local_leaves[position] = (
+                block if block.shape == size else block[tuple([slice(0, n) for n in size])]
+            )
         a, k = tree.unflatten(local_leaves)
         empty = any(0 in tables[i].local_shapes[device] for _, i in slots)
         results.append(quiet_if(empty, local, func, a, k, ctx._replace(device=device)))

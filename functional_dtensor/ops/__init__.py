@@ -3,7 +3,7 @@ with its sharding rule (:mod:`.._rules`) and its local form. Importing the packa
 them with :mod:`.._global_ops`.
 """
 
-from . import elementwise, indexing, losses, matmul, nn, reductions, values, views  # noqa: F401
+from . import elementwise, indexing, losses, matmul, nn, padding, reductions, values, views  # noqa: F401
 from .views import getitem
 
 __all__ = ["getitem"]

@@ -76,8 +76,9 @@ def _embedding_local(func, args, kwargs, ctx):
         _check_indices(indices, total, "torch.embedding(input)", f"a table of {total} rows", ctx)
     if not layout.sharding_axes(0):
         picked = F.embedding(indices, table)
-    elif table.shape[0] == 0:  # a device that holds none of the rows
-        picked = table.new_zeros(*indices.shape, table.shape[1])
+    elif table.shape[0] == 0:  # a device that holds none of the rows: zeros, connected to the
+        # table (so that this rank runs the backward's collectives as the others do)
+        picked = table.new_zeros(*indices.shape, table.shape[1]) + table.sum()
     else:
         local, inside = _into_block(indices, ctx, 1, 0)
         picked = F.embedding(local, table) * inside.unsqueeze(-1)
@@ -126,8 +127,8 @@ def _gather_local(func, args, kwargs, ctx):
     layout = ctx.decision.inputs[0]
     if not layout.sharding_axes(dim):
         return torch.gather(x, local_dim, index)
-    if x.shape[local_dim] == 0:  # a device that holds none of the dim
-        return torch.zeros(index.shape, dtype=x.dtype, device=x.device)
+    if x.shape[local_dim] == 0:  # a device that holds none of the dim: zeros, connected to x
+        return torch.zeros(index.shape, dtype=x.dtype, device=x.device) + x.sum()
     local, inside = _into_block(index, ctx, 0, dim)
     return torch.gather(x, local_dim, local) * inside
 

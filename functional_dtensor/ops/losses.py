@@ -1,20 +1,43 @@
-"""Losses: ``cross_entropy`` of class logits (loss parallel where the class dim is sharded)."""
+"""Losses: ``cross_entropy`` and ``nll_loss`` with torch's every option (class weights, class
+probabilities as targets, label smoothing, an ignored class, each reduction), as global ops;
+loss parallel where the class dim is sharded."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+from torch.nn import _reduction
 
 from .._backend import is_transformed
-from .._dtensor import DTensor, storage_of, without_partial
+from .._dtensor import DTensor, distribute_tensor, storage_of, without_partial
 from .._errors import InputTypeError, ShapeError, explain
-from .._op_decisions import Handler, register
+from .._op_decisions import Handler, refused, register
+from .._placements import Replicate
 from .common import no_params
 
 __all__: list[str] = []
 
 
-# --- losses ------------------------------------------------------------------------------------
+# --- arguments ---------------------------------------------------------------------------------
+
+_NLL_LOSS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+_CROSS_ENTROPY = (*_NLL_LOSS, "label_smoothing")
+
+
+class _Loss(NamedTuple):
+    """A loss call's arguments, checked: ``dim`` is the class dim; ``probabilities`` whether the
+    target holds class probabilities (of the input's shape) rather than class indices."""
+
+    input: DTensor
+    target: DTensor
+    weight: DTensor | None
+    ignore_index: int
+    reduction: str
+    smoothing: float
+    dim: int
+    probabilities: bool
 
 
 def _whole(value: DTensor) -> DTensor:
@@ -22,7 +45,138 @@ def _whole(value: DTensor) -> DTensor:
     return value.redistribute(without_partial(value.sharding)) if value.sharding.has_partial else value
 
 
-def _check_targets(target: DTensor, classes: int, ignore_index: int) -> None:
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a torch.Tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _weight(weight, mesh, name: str) -> DTensor | None:
+    """The class weights as a value on ``mesh``, replicated: a plain tensor taken as it is (every
+    device holds the same class weights), with no communication; a value sharded, gathered (one
+    weight per class, far fewer than the logits)."""
+    if weight is None:
+        return None
+    if isinstance(weight, DTensor):  # small (one weight per class): replicated once, here
+        return weight.redistribute([Replicate()] * weight.device_mesh.ndim)
+    if not isinstance(weight, torch.Tensor):
+        raise InputTypeError(
+            explain(
+                f"torch.nn.functional.{name}(weight)",
+                "class weights are a tensor of one weight per class",
+                expected="an fd.DTensor, a torch.Tensor or None",
+                got=_described(weight),
+                fix="pass weight=torch.tensor([...]) (one weight per class)",
+            )
+        )
+    placements = [Replicate()] * mesh.ndim
+    return distribute_tensor(weight.to(mesh.device_type), mesh, placements, src_data_rank=None)
+
+
+def _arguments(func, name: str, names: tuple[str, ...], args, kwargs) -> _Loss:
+    """The call's arguments, checked as torch checks them (the shapes and options on meta
+    tensors, by torch itself), refused as the library's errors."""
+    bound = dict(zip(names, args)) | kwargs
+    x, target = bound.get("input"), bound.get("target")
+    for role, value in (("input", x), ("target", target)):
+        if not isinstance(value, DTensor):
+            raise InputTypeError(
+                explain(
+                    f"torch.nn.functional.{name}({role})",
+                    f"{name} of fd.DTensor takes its input and target as fd.DTensor values",
+                    expected=f"F.{name}(input, target, ...) with both fd.DTensor",
+                    got=f"{role} as {_described(value)}",
+                    fix="distribute it: fd.distribute_tensor(t, mesh, fd.P(...)) (the target laid out "
+                    "like the input's rows, or replicated)",
+                )
+            )
+    reduction = bound.get("reduction", "mean")
+    if bound.get("size_average") is not None or bound.get("reduce") is not None:
+        reduction = _reduction.legacy_get_string(bound.get("size_average"), bound.get("reduce"))
+    weight = _weight(bound.get("weight"), x.device_mesh, name)
+    dim = 1 if x.ndim > 1 else 0
+    probabilities = name == "cross_entropy" and tuple(target.shape) == tuple(x.shape)
+    if not x.dtype.is_floating_point or (
+        not probabilities and target.dtype not in (torch.int64, torch.uint8)
+    ):  # as torch's kernels
+        raise InputTypeError(
+            explain(
+                f"torch.nn.functional.{name}",
+                f"{name} takes floating inputs and int64 class indices (or class probabilities)",
+                expected="an input of a floating dtype, a target of torch.int64 (or torch.uint8)",
+                got=f"an input of {x.dtype}, a target of {target.dtype}",
+                fix=f"convert them first: F.{name}(input.float(), target.long())",
+            )
+        )
+    if probabilities and not target.dtype.is_floating_point:
+        raise InputTypeError(
+            explain(
+                f"torch.nn.functional.{name}(target)",
+                "a target of the input's shape holds class probabilities (as in torch)",
+                expected="a floating target",
+                got=str(target.dtype),
+                fix="pass class indices of the input's shape without its class dim, or target.float()",
+            )
+        )
+    if not probabilities:
+        rows = tuple(x.shape[:dim] + x.shape[dim + 1 :])
+        if tuple(target.shape) != rows:
+            raise ShapeError(
+                explain(
+                    f"torch.nn.functional.{name}(target)",
+                    "a target holds one class index per row of the input",
+                    expected=f"shape {rows} (the input's {tuple(x.shape)} without the class dim {dim})",
+                    got=f"shape {tuple(target.shape)}",
+                    fix="pass the targets of this input (flatten both alike: logits.flatten(0, 1), "
+                    "targets.flatten(0, 1))",
+                )
+            )
+        if weight is not None and weight.dtype != x.dtype:  # as torch's kernel (not its meta)
+            raise InputTypeError(
+                explain(
+                    f"torch.nn.functional.{name}(weight)",
+                    "class weights of class indices have the input's dtype (as in torch)",
+                    expected=str(x.dtype),
+                    got=str(weight.dtype),
+                    fix=f"pass weight.to({x.dtype})",
+                )
+            )
+    options = {"ignore_index": bound.get("ignore_index", -100), "reduction": reduction}
+    if name == "cross_entropy":
+        options["label_smoothing"] = bound.get("label_smoothing", 0.0)
+    _check_on_meta(func, name, (x, target, weight), options)
+    if target.dtype == torch.uint8:  # compared with ignore_index as torch's kernel does: int64
+        target = target.to(torch.int64)
+    if not probabilities:
+        _check_targets(target, x.shape[dim], options["ignore_index"], name)
+    return _Loss(
+        x,
+        target,
+        weight,
+        options["ignore_index"],
+        reduction,
+        float(options.get("label_smoothing", 0.0)),
+        dim,
+        probabilities,
+    )
+
+
+def _check_on_meta(func, name: str, values, options: dict) -> None:
+    """torch's own checks of the call (shapes, weights, the options' values) on meta tensors of
+    the global shapes."""
+
+    def meta(value):
+        return None if value is None else torch.empty(value.shape, dtype=value.dtype, device="meta")
+
+    x, target, weight = values
+    try:
+        func(meta(x), meta(target), weight=meta(weight), **options)
+    except (RuntimeError, TypeError, ValueError, IndexError, AssertionError) as error:
+        shapes = ", ".join(str(tuple(v.shape)) for v in values if v is not None)
+        raise refused(f"nn.functional.{name}", f"{shapes} {options}", error) from None
+
+
+def _check_targets(target: DTensor, classes: int, ignore_index: int, name: str) -> None:
     """Class indices are classes (or ignored), as torch's kernel checks: each rank checks its
     own (the padding of uneven ones holds 0, a class)."""
     held = storage_of(target)
@@ -32,7 +186,7 @@ def _check_targets(target: DTensor, classes: int, ignore_index: int) -> None:
     if bool(outside.any()):
         raise InputTypeError(
             explain(
-                "torch.nn.functional.cross_entropy(target)",
+                f"torch.nn.functional.{name}(target)",
                 "a target is a class index (or the ignore_index)",
                 expected=f"targets in [0, {classes}) or {ignore_index}",
                 got=f"targets {held[outside].unique().tolist()[:8]}",
@@ -41,77 +195,93 @@ def _check_targets(target: DTensor, classes: int, ignore_index: int) -> None:
         )
 
 
-def _cross_entropy(func, args, kwargs, ctx):
-    """``F.cross_entropy`` of class logits and integer targets, as global ops: the log of a
-    stable sum of exponentials over the class dim, less the target's logit (gathered). Where
-    the class dim is sharded (loss parallel), only per-row maxima, sums and the target's logit
-    cross devices, never the logits."""
-    names = (
-        "input",
-        "target",
-        "weight",
-        "size_average",
-        "ignore_index",
-        "reduce",
-        "reduction",
-        "label_smoothing",
-    )
-    bound = dict(zip(names, args)) | kwargs
-    logits, target = bound["input"], bound["target"]
-    unsupported_args = [n for n in ("weight", "size_average", "reduce") if bound.get(n) is not None]
-    if unsupported_args or bound.get("label_smoothing", 0.0) or not isinstance(target, DTensor):
-        raise InputTypeError(
-            explain(
-                "F.cross_entropy",
-                "cross_entropy of fd.DTensor takes class indices as an fd.DTensor, without weights",
-                expected="F.cross_entropy(logits, target, ignore_index=..., reduction=...)",
-                got=", ".join(unsupported_args) or f"target of type {type(target).__name__}",
-                fix="distribute the target (fd.distribute_tensor(t, mesh, fd.P(...))); apply class weights "
-                "or label smoothing inside fd.local_map",
-            )
-        )
-    if not logits.dtype.is_floating_point or target.dtype != torch.int64:  # as torch's kernels
-        raise InputTypeError(
-            explain(
-                "F.cross_entropy",
-                "cross_entropy takes floating logits and int64 class indices",
-                expected="logits of a floating dtype, a target of torch.int64",
-                got=f"logits of {logits.dtype}, a target of {target.dtype}",
-                fix="convert them first: F.cross_entropy(logits.float(), target.long())",
-            )
-        )
-    dim = 1 if logits.ndim > 1 else 0
-    rows = tuple(logits.shape[:dim] + logits.shape[dim + 1 :])
-    if tuple(target.shape) != rows:
-        raise ShapeError(
-            explain(
-                "torch.nn.functional.cross_entropy(target)",
-                "a target holds one class index per row of the logits",
-                expected=f"shape {rows} (the logits' {tuple(logits.shape)} without the class dim {dim})",
-                got=f"shape {tuple(target.shape)}",
-                fix="pass the targets of these logits (flatten both alike: logits.flatten(0, 1), "
-                "targets.flatten(0, 1))",
-            )
-        )
-    ignore_index = bound.get("ignore_index", -100)
-    keep = torch.ne(target, ignore_index)
-    classes = logits.shape[dim]
-    _check_targets(target, classes, ignore_index)
+# --- the losses, as global ops -----------------------------------------------------------------
+
+
+def _log_probabilities(logits: DTensor, dim: int) -> DTensor:
+    """``log_softmax`` along ``dim`` as global ops: the logits less the log of a stable sum of
+    exponentials. Where ``dim`` is sharded only the per-row maxima and sums cross devices."""
+    logits = _whole(logits)
     # of a sharded class dim, the maxima and sums are Partial: each reduced once, here
     top = _whole(logits.detach().amax(dim, keepdim=True))
-    log_total = torch.add(_whole(torch.sub(logits, top).exp().sum(dim)).log(), top.squeeze(dim))
-    # the target's logit; an ignored target (any value) reads class 0, multiplied by 0 after
-    safe = torch.where(keep, target, 0)
-    picked = torch.gather(logits, dim, safe.unsqueeze(dim)).squeeze(dim)
-    if picked.sharding.has_partial and picked.sharding != log_total.sharding:
-        # the class dim sharded: the loss stays a Partial sum (the row totals as parts, with no
-        # communication) until it is reduced
-        log_total = log_total.redistribute(picked.sharding)
-    losses = torch.mul(torch.sub(log_total, picked), keep)
-    reduction = bound.get("reduction", "mean")
+    shifted = torch.sub(logits, top)
+    return torch.sub(shifted, _whole(shifted.exp().sum(dim, keepdim=True)).log())
+
+
+def _along_classes(weight: DTensor, loss: _Loss) -> DTensor:
+    """The class weights shaped to broadcast along the input's class dim."""
+    shape = [1] * loss.input.ndim
+    shape[loss.dim] = weight.shape[0]
+    return weight.reshape(shape)
+
+
+def _class_losses(log_probs: DTensor, loss: _Loss) -> tuple[DTensor, DTensor]:
+    """Per row: ``-w[t] * log_probs[t]`` (with label smoothing, mixed with the weighted mean of
+    every class's), 0 where the target is ignored; and the weight ``w[t]`` each row counts for
+    in a mean (1 without weights), 0 where ignored. Of a sharded class dim, the target's
+    log-probability is gathered from the block that holds it (a Partial sum of the devices')."""
+    dim, weight = loss.dim, loss.weight
+    keep = torch.ne(loss.target, loss.ignore_index)
+    safe = torch.where(keep, loss.target, 0)  # an ignored target reads class 0, dropped after
+    picked = torch.gather(log_probs, dim, safe.unsqueeze(dim)).squeeze(dim)
+    if weight is None:
+        rows, counts = torch.neg(picked), keep
+    else:
+        chosen = F.embedding(safe, weight.unsqueeze(-1)).squeeze(-1)  # each row's class weight
+        rows, counts = torch.neg(torch.mul(picked, chosen)), torch.mul(chosen, keep)
+    if loss.smoothing:
+        spread = log_probs if weight is None else torch.mul(log_probs, _along_classes(weight, loss))
+        smooth = torch.neg(spread.sum(dim))
+        classes = log_probs.shape[dim]
+        rows = torch.add(torch.mul(rows, 1.0 - loss.smoothing), torch.mul(smooth, loss.smoothing / classes))
+    # (not a product with the mask: an ignored row of infinite log-probabilities reads 0, as torch)
+    return torch.where(keep, rows, 0.0), counts
+
+
+def _reduced(rows: DTensor, counts: DTensor, reduction: str) -> DTensor:
     if reduction == "none":
-        return losses
-    return losses.sum() if reduction == "sum" else torch.div(losses.sum(), keep.sum())
+        return rows
+    total = rows.sum()
+    return total if reduction == "sum" else torch.div(total, counts.sum())
+
+
+def _probability_loss(log_probs: DTensor, loss: _Loss) -> DTensor:
+    """Class probabilities as the target: ``-sum(p * w * log_probs)`` along the class dim
+    (a Partial sum where it is sharded), as torch computes it."""
+    target, dim = loss.target, loss.dim
+    classes = log_probs.shape[dim]
+    if loss.smoothing:
+        target = torch.add(torch.mul(target, 1.0 - loss.smoothing), loss.smoothing / classes)
+    products = torch.mul(log_probs, target)
+    if loss.weight is not None:
+        products = torch.mul(products, _along_classes(loss.weight, loss))
+    if loss.reduction == "none":
+        return torch.neg(products.sum(dim))
+    total = torch.neg(products.sum())
+    if loss.reduction == "sum":
+        return total
+    rows = log_probs.numel() // classes if classes else 0
+    return torch.div(total, rows) if rows else torch.mul(total, float("nan"))
+
+
+def _cross_entropy(func, args, kwargs, ctx):
+    """``F.cross_entropy`` as global ops: log-probabilities by a stable log-sum-exp along the
+    class dim, then the negative log-likelihood of class indices (weighted, smoothed, ignored)
+    or of class probabilities. Where the class dim is sharded (loss parallel) only per-row
+    maxima and sums cross devices, never the logits."""
+    loss = _arguments(func, "cross_entropy", _CROSS_ENTROPY, args, kwargs)
+    log_probs = _log_probabilities(loss.input, loss.dim)
+    if loss.probabilities:
+        return _probability_loss(log_probs, loss)
+    return _reduced(*_class_losses(log_probs, loss), loss.reduction)
+
+
+def _nll_loss(func, args, kwargs, ctx):
+    """``F.nll_loss`` of log-probabilities as global ops: each row's target entry (gathered from
+    the block that holds it where the class dim is sharded), weighted, ignored, reduced."""
+    loss = _arguments(func, "nll_loss", _NLL_LOSS, args, kwargs)
+    return _reduced(*_class_losses(loss.input, loss), loss.reduction)
 
 
 register([F.cross_entropy], Handler(None, no_params, _cross_entropy, "cross_entropy"))
+register([F.nll_loss], Handler(None, no_params, _nll_loss, "nll_loss"))
