@@ -117,3 +117,18 @@ def test_a_device_holding_an_empty_block_warns_of_nothing(backend, mesh):
     """torch warns of ``var`` over no elements; on one device the op sees the whole value."""
     for caught in backend.run(job_warnings, mesh.shape, mesh.names):
         assert caught == []
+
+
+def test_where_with_a_zero_keeps_a_partial_sum_and_with_another_number_reduces_it():
+    """``torch.where(keep, x, 0)`` is linear in ``x``: a Partial sum stays one (a masked loss of
+    a sharded class dim); ``where(keep, x, 1)`` is not, and decided apart from it."""
+    mesh = fd.simulated_mesh(4, "x")
+    x = fd.distribute_tensor(values((8, 6)), mesh, fd.P(None, "x")).sum(1)  # Partial(sum)
+    keep = fd.distribute_tensor(values((8,), 2) > 0, mesh, fd.P())
+    for other, partial in ((0.0, True), (0, True), (1.0, False)):
+        with fd.CommDebugMode() as comm:
+            out = torch.where(keep, x, other)
+        assert out.placements[0].is_partial() == partial, other
+        assert comm.get_total_counts() == (0 if partial else 1)
+        want = torch.where(keep.full_tensor(), x.full_tensor(), other)
+        assert_close(out.full_tensor(), want, terms=6)

@@ -24,7 +24,7 @@ _UNARY = (
     "relu6 hardtanh mish logsigmoid clamp clip nan_to_num"
 ).split()
 _BINARY = (
-    "pow maximum minimum eq ne lt le gt ge logical_and logical_or logical_xor atan2 remainder fmod where lerp"
+    "pow maximum minimum eq ne lt le gt ge logical_and logical_or logical_xor atan2 remainder fmod lerp"
 ).split()
 
 
@@ -54,6 +54,32 @@ for _name in _UNARY + _BINARY:
     register(functions(_name), handler)
 for _name in ("neg", "negative"):
     register(functions(_name), Handler(rules.linear, no_params, elementwise_local, _name, **_ELEMENTWISE))
+
+
+def _where_params(args, kwargs, tensors):
+    """``torch.where(condition, input, other)``: linear in its value operands together where
+    every one that is not an fd.DTensor is the number 0 (``where(keep, losses, 0)``: a
+    Partial sum of losses stays one); the fd.DTensor value operands' places among the inputs,
+    and whether some input needs a gradient."""
+    names = ("condition", "input", "other")
+    bound = dict(zip(names, args)) | kwargs
+    values = [bound.get("input"), bound.get("other")]
+    places = [i for i, t in enumerate(tensors) if any(t is v for v in values)]
+    zero = all(isinstance(v, DTensor) or (type(v) in (int, float, bool) and v == 0) for v in values)
+    condition = bound.get("condition")
+    linear = zero and places and not any(t is condition for t in (tensors[i] for i in places))
+    return (tuple(places) if linear else (), *_gradients(args, kwargs, tensors))
+
+
+def _where(call):
+    places, gradients = call.params
+    return rules.elementwise(call, partial=places, average=not gradients)
+
+
+register(  # (by the values of numbers: where(c, x, 0) is linear, where(c, x, 1) is not)
+    functions("where"),
+    Handler(_where, _where_params, elementwise_local, "where", by_grad=True, batched="elementwise"),
+)
 
 
 def _operands(args, kwargs) -> list:

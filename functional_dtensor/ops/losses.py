@@ -198,14 +198,21 @@ def _check_targets(target: DTensor, classes: int, ignore_index: int, name: str) 
 # --- the losses, as global ops -----------------------------------------------------------------
 
 
-def _log_probabilities(logits: DTensor, dim: int) -> DTensor:
-    """``log_softmax`` along ``dim`` as global ops: the logits less the log of a stable sum of
-    exponentials. Where ``dim`` is sharded only the per-row maxima and sums cross devices."""
+def _shifted(logits: DTensor, dim: int) -> tuple[DTensor, DTensor]:
+    """The logits less their maximum along ``dim``, and the log of the sum of their exponentials
+    (per row, ``dim`` dropped): a stable log-sum-exp. Where ``dim`` is sharded only the per-row
+    maxima and sums cross devices."""
     logits = _whole(logits)
     # of a sharded class dim, the maxima and sums are Partial: each reduced once, here
     top = _whole(logits.detach().amax(dim, keepdim=True))
     shifted = torch.sub(logits, top)
-    return torch.sub(shifted, _whole(shifted.exp().sum(dim, keepdim=True)).log())
+    return shifted, _whole(shifted.exp().sum(dim)).log()
+
+
+def _log_probabilities(logits: DTensor, dim: int) -> DTensor:
+    """``log_softmax`` along ``dim`` as global ops."""
+    shifted, log_total = _shifted(logits, dim)
+    return torch.sub(shifted, log_total.unsqueeze(dim))
 
 
 def _along_classes(weight: DTensor, loss: _Loss) -> DTensor:
@@ -215,15 +222,24 @@ def _along_classes(weight: DTensor, loss: _Loss) -> DTensor:
     return weight.reshape(shape)
 
 
-def _class_losses(log_probs: DTensor, loss: _Loss) -> tuple[DTensor, DTensor]:
+def _class_losses(
+    log_probs: DTensor, loss: _Loss, log_total: DTensor | None = None
+) -> tuple[DTensor, DTensor]:
     """Per row: ``-w[t] * log_probs[t]`` (with label smoothing, mixed with the weighted mean of
     every class's), 0 where the target is ignored; and the weight ``w[t]`` each row counts for
     in a mean (1 without weights), 0 where ignored. Of a sharded class dim, the target's
-    log-probability is gathered from the block that holds it (a Partial sum of the devices')."""
+    log-probability is gathered from the block that holds it (a Partial sum of the devices').
+    ``log_total``: where given, ``log_probs`` are shifted logits, each row's log-probabilities
+    those less ``log_total`` (subtracted from the picked entries only: per row, not per class,
+    and kept Partial, so the backward sums nothing over the class dim either)."""
     dim, weight = loss.dim, loss.weight
     keep = torch.ne(loss.target, loss.ignore_index)
     safe = torch.where(keep, loss.target, 0)  # an ignored target reads class 0, dropped after
     picked = torch.gather(log_probs, dim, safe.unsqueeze(dim)).squeeze(dim)
+    if log_total is not None:
+        if picked.sharding.has_partial and log_total.sharding != picked.sharding:
+            log_total = log_total.redistribute(picked.sharding)  # parts of it: no communication
+        picked = torch.sub(picked, log_total)
     if weight is None:
         rows, counts = torch.neg(picked), keep
     else:
@@ -270,10 +286,13 @@ def _cross_entropy(func, args, kwargs, ctx):
     or of class probabilities. Where the class dim is sharded (loss parallel) only per-row
     maxima and sums cross devices, never the logits."""
     loss = _arguments(func, "cross_entropy", _CROSS_ENTROPY, args, kwargs)
-    log_probs = _log_probabilities(loss.input, loss.dim)
-    if loss.probabilities:
-        return _probability_loss(log_probs, loss)
-    return _reduced(*_class_losses(log_probs, loss), loss.reduction)
+    if loss.probabilities or loss.smoothing:  # every class's log-probability counts
+        log_probs = _log_probabilities(loss.input, loss.dim)
+        if loss.probabilities:
+            return _probability_loss(log_probs, loss)
+        return _reduced(*_class_losses(log_probs, loss), loss.reduction)
+    shifted, log_total = _shifted(loss.input, loss.dim)
+    return _reduced(*_class_losses(shifted, loss, log_total), loss.reduction)
 
 
 def _nll_loss(func, args, kwargs, ctx):
