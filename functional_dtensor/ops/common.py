@@ -19,10 +19,7 @@ __all__: list[str] = []
 
 
 def plain(func, args, kwargs, ctx):
-    return func(*args, **kwargs)
-
-
-def elementwise_local(func, args, kwargs, ctx):
+    """The op itself, on a block: the local form of most ops."""
     return func(*args, **kwargs)
 
 

@@ -11,7 +11,7 @@ from .._dtensor import DTensor
 from .._errors import InputTypeError, explain
 from .._global_ops import dispatch
 from .._op_decisions import GENERIC, Handler, register
-from .common import elementwise_local, functions, no_params, plain
+from .common import functions, no_params, plain
 
 __all__: list[str] = []
 
@@ -48,12 +48,12 @@ _EXTREMA = {"maximum": rules.extremum(rules.MAX), "minimum": rules.extremum(rule
 _ELEMENTWISE = {"by_value": False, "batched": "elementwise"}
 for _name in _UNARY + _BINARY:
     if _name in _EXTREMA:
-        handler = Handler(_EXTREMA[_name], _gradients, elementwise_local, _name, by_grad=True, **_ELEMENTWISE)
+        handler = Handler(_EXTREMA[_name], _gradients, plain, _name, by_grad=True, **_ELEMENTWISE)
     else:
-        handler = Handler(rules.elementwise, no_params, elementwise_local, _name, **_ELEMENTWISE)
+        handler = Handler(rules.elementwise, no_params, plain, _name, **_ELEMENTWISE)
     register(functions(_name), handler)
 for _name in ("neg", "negative"):
-    register(functions(_name), Handler(rules.linear, no_params, elementwise_local, _name, **_ELEMENTWISE))
+    register(functions(_name), Handler(rules.linear, no_params, plain, _name, **_ELEMENTWISE))
 
 
 def _where_params(args, kwargs, tensors):
@@ -78,7 +78,7 @@ def _where(call):
 
 register(  # (by the values of numbers: where(c, x, 0) is linear, where(c, x, 1) is not)
     functions("where"),
-    Handler(_where, _where_params, elementwise_local, "where", by_grad=True, batched="elementwise"),
+    Handler(_where, _where_params, plain, "where", by_grad=True, batched="elementwise"),
 )
 
 
@@ -103,7 +103,7 @@ def _sum(call):
 for _name in ("add", "sub", "subtract"):
     register(
         functions(_name),
-        Handler(_sum, _constant_operand, elementwise_local, _name, by_grad=True, **_ELEMENTWISE),
+        Handler(_sum, _constant_operand, plain, _name, by_grad=True, **_ELEMENTWISE),
     )
 
 
@@ -133,12 +133,12 @@ def _product(call):
 for _name in ("mul", "multiply"):
     register(
         functions(_name),
-        Handler(_product, _gradients, elementwise_local, _name, by_grad=True, **_ELEMENTWISE),
+        Handler(_product, _gradients, plain, _name, by_grad=True, **_ELEMENTWISE),
     )
 for _name in ("div", "divide", "true_divide"):
     register(
         functions(_name),
-        Handler(_quotient, _numerator_first, elementwise_local, _name, by_grad=True, **_ELEMENTWISE),
+        Handler(_quotient, _numerator_first, plain, _name, by_grad=True, **_ELEMENTWISE),
     )
 
 
@@ -231,7 +231,7 @@ def _pointwise(func) -> Handler | None:
         return None  # several outputs (frexp): not the one output the elementwise form returns
     if any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads):
         return None
-    return Handler(rules.elementwise, no_params, elementwise_local, name, **_ELEMENTWISE)
+    return Handler(rules.elementwise, no_params, plain, name, **_ELEMENTWISE)
 
 
 GENERIC.append(_pointwise)
