@@ -10,16 +10,16 @@ error, naming what to use instead; in-place methods are refused (values are immu
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 
 from ._dtensor import DTensor, from_local, storage_of
-from ._errors import InputTypeError, ShapeError, UnsupportedAttributeError, explain
+from ._errors import InputTypeError, UnsupportedAttributeError, explain
 from ._global_ops import dispatch
-from ._op_decisions import Handler, no_params, register, resolved
+from ._op_decisions import resolved
 from .ops import getitem
+from .ops.values import run_backward
 
 __all__ = ["install"]
 
@@ -57,64 +57,7 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
     if isinstance(inputs, (DTensor, torch.Tensor)):
         inputs = [inputs]
     gradients = None if gradient is None else [gradient]
-    _run_backward("fd.DTensor.backward(gradient)", [self], gradients, retain_graph, create_graph, inputs)
-
-
-def _run_backward(where: str, outputs: list, gradients, retain_graph, create_graph, inputs) -> None:
-    """``torch.autograd.backward`` from the global values of ``outputs`` with the global values
-    of ``gradients`` (each of its output's shape, in any layout), accumulating into the storages
-    of ``inputs``: each ``.grad`` laid out like its value (:attr:`fd.DTensor.grad`). ``where``
-    names a gradient in errors (``{i}``: its index)."""
-    if gradients is not None:
-        gradients = list(gradients)
-        for i, (output, grad) in enumerate(zip(outputs, gradients)):
-            shaped = [v for v in (output, grad) if isinstance(v, (DTensor, torch.Tensor))]
-            global_ = any(isinstance(v, DTensor) for v in shaped)
-            if len(shaped) == 2 and global_ and tuple(grad.shape) != tuple(output.shape):
-                raise ShapeError(
-                    explain(
-                        where.format(i=i),
-                        "the gradient of a value has the value's global shape (in any layout)",
-                        expected=f"shape {tuple(output.shape)}",
-                        got=f"shape {tuple(grad.shape)}",
-                        fix="pass a gradient shaped like the value, e.g. torch.ones_like(y) for y",
-                    )
-                )
-        gradients = [g.full_tensor() if isinstance(g, DTensor) else g for g in gradients]
-    torch.autograd.backward(
-        [o.full_tensor() if isinstance(o, DTensor) else o for o in outputs],
-        gradients,
-        retain_graph=retain_graph,
-        create_graph=create_graph,
-        inputs=None if inputs is None else [storage_of(v) if isinstance(v, DTensor) else v for v in inputs],
-    )
-
-
-def _autograd_backward(func, args, kwargs, ctx):
-    """``torch.autograd.backward`` where outputs or inputs are ``fd.DTensor`` (torch's function
-    protocol brings it here): from the outputs' global values, as :func:`_backward`."""
-    arguments = inspect.signature(torch.autograd.backward).bind(*args, **kwargs).arguments
-    tensors, grads = arguments["tensors"], arguments.get("grad_tensors")
-    if grads is None:
-        grads = arguments.get("grad_variables")  # torch's deprecated name
-    one = isinstance(tensors, (DTensor, torch.Tensor))
-    outputs = [tensors] if one else list(tensors)
-    if grads is not None and isinstance(grads, (DTensor, torch.Tensor)):
-        grads = [grads]
-    inputs = arguments.get("inputs")
-    if isinstance(inputs, (DTensor, torch.Tensor)):
-        inputs = [inputs]
-    _run_backward(
-        "torch.autograd.backward(grad_tensors[{i}])",
-        outputs,
-        grads,
-        arguments.get("retain_graph"),
-        arguments.get("create_graph", False),
-        inputs,
-    )
-
-
-register([torch.autograd.backward], Handler(None, no_params, _autograd_backward, "autograd.backward"))
+    run_backward("fd.DTensor.backward(gradient)", [self], gradients, retain_graph, create_graph, inputs)
 
 
 def _item(self):

@@ -217,6 +217,6 @@ def test_the_example_trains_llama_beside_one_device(capsys, monkeypatch):
     runpy.run_path(str(example), run_name="__main__")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
     assert len(lines) == 2
-    for line in lines:
-        sharded, one = float(line.split()[3]), float(line.split()[-1])
-        assert abs(sharded - one) < 1e-4 * abs(one), line
+    for line in lines:  # (printed to 6 decimals: far inside float32's tolerance at this scale)
+        sharded, one = (torch.tensor(float(line.split()[k]), dtype=torch.float64) for k in (3, -1))
+        assert_close(sharded, one, dtypes=(torch.float32,), msg=line)

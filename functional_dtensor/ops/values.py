@@ -1,5 +1,5 @@
 """Ops on values rather than layouts: ``allclose``/``equal``, the ``*_like`` factories,
-``dropout`` (from ``fd.random``), ``torch.autograd.grad`` of global values.
+``dropout`` (from ``fd.random``), ``torch.autograd.grad`` and ``backward`` of global values.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from .. import random as fd_random
 from .._dtensor import DTensor, storage_of, without_partial
-from .._errors import InputTypeError, explain
+from .._errors import InputTypeError, ShapeError, explain
 from .._factories import empty, full, ones, zeros
 from .._op_decisions import Handler, register
 from .common import no_params
 
-__all__: list[str] = []
+__all__ = ["run_backward"]
 
 
 # --- values, not layouts -----------------------------------------------------------------------
@@ -116,3 +116,60 @@ def _autograd_grad(func, args, kwargs, ctx):
 
 
 register([torch.autograd.grad], Handler(None, no_params, _autograd_grad, "autograd.grad"))
+
+
+def run_backward(where: str, outputs: list, gradients, retain_graph, create_graph, inputs) -> None:
+    """``torch.autograd.backward`` from the global values of ``outputs`` with the global values
+    of ``gradients`` (each of its output's shape, in any layout), accumulating into the storages
+    of ``inputs``: each ``.grad`` laid out like its value (:attr:`fd.DTensor.grad`). ``where``
+    names a gradient in errors (``{i}``: its index)."""
+    if gradients is not None:
+        gradients = list(gradients)
+        for i, (output, grad) in enumerate(zip(outputs, gradients)):
+            shaped = [v for v in (output, grad) if isinstance(v, (DTensor, torch.Tensor))]
+            global_ = any(isinstance(v, DTensor) for v in shaped)
+            if len(shaped) == 2 and global_ and tuple(grad.shape) != tuple(output.shape):
+                raise ShapeError(
+                    explain(
+                        where.format(i=i),
+                        "the gradient of a value has the value's global shape (in any layout)",
+                        expected=f"shape {tuple(output.shape)}",
+                        got=f"shape {tuple(grad.shape)}",
+                        fix="pass a gradient shaped like the value, e.g. torch.ones_like(y) for y",
+                    )
+                )
+        gradients = [g.full_tensor() if isinstance(g, DTensor) else g for g in gradients]
+    torch.autograd.backward(
+        [o.full_tensor() if isinstance(o, DTensor) else o for o in outputs],
+        gradients,
+        retain_graph=retain_graph,
+        create_graph=create_graph,
+        inputs=None if inputs is None else [storage_of(v) if isinstance(v, DTensor) else v for v in inputs],
+    )
+
+
+def _autograd_backward(func, args, kwargs, ctx):
+    """``torch.autograd.backward`` where outputs or inputs are ``fd.DTensor`` (torch's function
+    protocol brings it here): from the outputs' global values, as :func:`_backward`."""
+    arguments = inspect.signature(torch.autograd.backward).bind(*args, **kwargs).arguments
+    tensors, grads = arguments["tensors"], arguments.get("grad_tensors")
+    if grads is None:
+        grads = arguments.get("grad_variables")  # torch's deprecated name
+    one = isinstance(tensors, (DTensor, torch.Tensor))
+    outputs = [tensors] if one else list(tensors)
+    if grads is not None and isinstance(grads, (DTensor, torch.Tensor)):
+        grads = [grads]
+    inputs = arguments.get("inputs")
+    if isinstance(inputs, (DTensor, torch.Tensor)):
+        inputs = [inputs]
+    run_backward(
+        "torch.autograd.backward(grad_tensors[{i}])",
+        outputs,
+        grads,
+        arguments.get("retain_graph"),
+        arguments.get("create_graph", False),
+        inputs,
+    )
+
+
+register([torch.autograd.backward], Handler(None, no_params, _autograd_backward, "autograd.backward"))
