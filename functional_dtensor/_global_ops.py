@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import NamedTuple
 
 import optree
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _fallback as fallback
 from . import _log as log
@@ -41,6 +43,7 @@ from ._op_decisions import (
     check_values,
     decide,
     log_decision,
+    nested,
     no_params,
     traced_decision,
 )
@@ -88,12 +91,14 @@ def _key_of(value):
 _FLAT = frozenset([DTensor, int, float, bool, type(None), torch.dtype, str])  # hashable as they are
 
 
-def _is_flat(args) -> bool:
+def _is_flat(args, compiling: bool = False) -> bool:
     """Whether positional ``args`` are leaves as they are: values of :data:`_FLAT` types, or
-    sizes (a tuple of ints, as ``x.unflatten(1, (2, 4))`` takes)."""
+    sizes (a tuple of ints, as ``x.unflatten(1, (2, 4))`` takes), or while ``compiling`` plain
+    tensors, slices and ``...`` (described by :func:`_described`)."""
     for a in args:
         if type(a) not in _FLAT and not (isinstance(a, tuple) and all([type(n) is int for n in a])):
-            return False
+            if not (compiling and (isinstance(a, (torch.Tensor, slice)) or a is Ellipsis)):
+                return False
     return True
 
 
@@ -194,9 +199,26 @@ def implicit_replication():
     """
     _IMPLICIT[0] += 1
     try:
-        yield
+        if torch.compiler.is_compiling():
+            with _SequenceArguments():
+                yield
+        else:
+            yield
     finally:
         _IMPLICIT[0] -= 1
+
+
+class _SequenceArguments(TorchFunctionMode):
+    """While compiling, inside :func:`implicit_replication`: a torch call with an ``fd.DTensor``
+    in a tuple argument (``torch.cat((a, b))``) goes to the global ops. Dynamo looks for
+    ``__torch_function__`` on arguments and inside lists, not inside tuples."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, tuple) and any([isinstance(item, DTensor) for item in value]):
+                return dispatch(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def _plain(value) -> bool:
@@ -232,15 +254,80 @@ def _wrap(out, decision: Decision):
     return type(out)(*values) if hasattr(out, "_fields") else type(out)(values)
 
 
+def _constant(value):
+    """An int, or a tuple of them, as constants while Dynamo traces: a size Dynamo made dynamic
+    (a second call with a new size) is specialized, so the decision, a function of constants,
+    is made for it and the graph is guarded on it (``len(range(n))`` is a spelling Dynamo
+    specializes)."""
+    if type(value) is tuple:
+        return tuple([_constant(n) for n in value])
+    if type(value) is int:
+        return len(range(value)) if value >= 0 else -len(range(-value))
+    return value
+
+
+def _described(value):
+    """An argument as the constants a decision made while compiling takes (see
+    :func:`._op_decisions.traced_decision`)."""
+    if type(value) is DTensor:
+        shape = _constant(tuple(value.shape))
+        return ("fd.DTensor", layout_key(value.sharding), shape, str(value.dtype), value.requires_grad)
+    if isinstance(value, torch.Tensor):  # a plain one: decided by dtype and shape, as eagerly
+        return ("tensor", _constant(tuple(value.shape)), str(value.dtype))
+    if isinstance(value, torch.dtype):
+        return ("dtype", str(value))
+    if isinstance(value, slice):
+        return ("slice", _constant(value.start), _constant(value.stop), _constant(value.step))
+    return _constant(value)
+
+
+class _Sequences(NamedTuple):
+    """Arguments (positional, then keywords) of which some are lists or tuples of leaves, as
+    ``torch.cat((a, b))`` takes them: flattened and rebuilt while compiling, where optree's
+    tree specs cannot be constants of a decision. ``lengths``: per argument, None for a leaf
+    or ``(is_tuple, length)``."""
+
+    lengths: tuple
+    count: int  # of positional arguments
+    names: tuple[str, ...]
+
+    @staticmethod
+    def of(name: str, args, kwargs) -> _Sequences:
+        lengths = []
+        for value in (*args, *kwargs.values()):
+            if type(value) in (list, tuple) and _is_flat(value, True):
+                lengths.append((type(value) is tuple, len(value)))
+            elif _is_flat((value,), True):
+                lengths.append(None)
+            else:
+                raise unsupported_while_compiling(name)
+        return _Sequences(tuple(lengths), len(args), tuple(kwargs))
+
+    def leaves(self, args, kwargs) -> list:
+        out = []
+        for value, length in zip((*args, *kwargs.values()), self.lengths):
+            if length is None:
+                out.append(value)
+            else:
+                out.extend(value)
+        return out
+
+    def unflatten(self, leaves) -> tuple[tuple, dict]:
+        values = nested(leaves, self.lengths)
+        return tuple(values[: self.count]), dict(zip(self.names, values[self.count :]))
+
+
 def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     """Any call: its arguments flattened as a pytree; redistributes and ``pvary`` where the
     decision needs them."""
-    flat = _is_flat(args) and _is_flat(kwargs.values())  # keywords of flat values too: dim=-1
-    if torch.compiler.is_compiling() and not flat:  # decided outside the graph, from constants
-        raise unsupported_while_compiling(handler.name)
+    compiling = torch.compiler.is_compiling()
+    flat = _is_flat(args, compiling) and _is_flat(kwargs.values(), compiling)  # keywords too: dim=-1
     names = tuple(kwargs)
     if flat:
         leaves, tree = (*args, *kwargs.values()), None
+    elif compiling:  # decided outside the graph, from constants: sequences of leaves at most
+        tree = _Sequences.of(handler.name, args, kwargs)
+        leaves = tree.leaves(args, kwargs)
     else:
         leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)
     tensors = [v for v in leaves if type(v) is DTensor]
@@ -251,15 +338,10 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
             args, kwargs = tuple(leaves[: len(args)]), dict(zip(names, leaves[len(args) :]))
         else:
             args, kwargs = tree.unflatten(leaves)
-    if torch.compiler.is_compiling():
-        spec = tuple(
-            [
-                ("fd.DTensor", layout_key(v.sharding), tuple(v.shape), str(v.dtype), v.requires_grad)
-                if type(v) is DTensor
-                else (("dtype", str(v)) if isinstance(v, torch.dtype) else v)
-                for v in leaves
-            ]
-        )
+    if compiling:
+        spec = tuple([_described(v) for v in leaves])
+        if tree is not None:
+            spec = (("sequences", tree.lengths), *spec)
         func_id = FUNC_IDS[func] if found is None else found[1]
         decision = traced_decision(func_id, names, spec)
     else:

@@ -328,9 +328,12 @@ def _decision_index(func_id: int, names: tuple[str, ...], spec: tuple) -> int:
     made = []
 
     def make() -> Decision:
-        leaves = [_constant_arg(item) for item in spec]
-        split = len(leaves) - len(names)
-        args, kwargs = tuple(leaves[:split]), dict(zip(names, leaves[split:]))
+        sequences = bool(spec) and type(spec[0]) is tuple and spec[0][:1] == ("sequences",)
+        lengths = spec[0][1] if sequences else None
+        leaves = [_constant_arg(item) for item in (spec if lengths is None else spec[1:])]
+        values = leaves if lengths is None else nested(leaves, lengths)
+        split = len(values) - len(names)
+        args, kwargs = tuple(values[:split]), dict(zip(names, values[split:]))
         tensors = [a for a in leaves if type(a) is DTensor]
         handler = HANDLERS[func]
         check_values(handler.name, leaves, tensors)
@@ -410,11 +413,30 @@ def _rebuilt(key: tuple) -> Decision:
     return decision._replace(context=_context(decision))
 
 
+def nested(leaves: list, lengths: tuple) -> list:
+    """The arguments whose flattened ``leaves`` were described with ``lengths`` (per
+    argument, None for a leaf or ``(is_tuple, length)`` for a sequence of leaves)."""
+    values, start = [], 0
+    for length in lengths:
+        if length is None:
+            values.append(leaves[start])
+            start += 1
+        else:
+            items = leaves[start : start + length[1]]
+            values.append(tuple(items) if length[0] else list(items))
+            start += length[1]
+    return values
+
+
 def _constant_arg(item):
     if isinstance(item, tuple) and item[:1] == ("fd.DTensor",):
         _, key, shape, dtype, requires_grad = item
         storage = torch.empty(0, dtype=_dtype(dtype), device="meta").requires_grad_(requires_grad)
         return DTensor(storage, layout_of_key(key), shape)
+    if isinstance(item, tuple) and item[:1] == ("tensor",):
+        return torch.empty(item[1], dtype=_dtype(item[2]), device="meta")
+    if isinstance(item, tuple) and item[:1] == ("slice",):
+        return slice(*item[1:])
     if isinstance(item, tuple) and item[:1] == ("dtype",):
         return _dtype(item[1])
     return item

@@ -61,6 +61,11 @@ ELEMENTWISE = (
 )
 
 
+@torch.compiler.disable  # Dynamo cannot read optree's C comparison; torch's step breaks the graph anyway
+def _same_structure(a, b) -> bool:
+    return a == b
+
+
 @public
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim`` optimizer over a pytree of ``fd.DTensor`` parameters, functionally:
@@ -213,7 +218,7 @@ class Optimizer(torch.optim.Optimizer):
     def _checked(self, tree, what: str, *, allow_none: bool) -> list:
         where = f"fd.Optimizer.step({what})"
         leaves, tree_spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
-        if tree_spec != self._tree:
+        if not _same_structure(tree_spec, self._tree):
             raise InputTypeError(
                 explain(
                     where,

@@ -87,7 +87,7 @@ def _match(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts))
 
 
-def _check_plan(plan, module: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[Style, ...]]:
+def _check_plan(plan, module: nn.Module, mesh: DeviceMesh) -> dict:
     if not isinstance(plan, Mapping):
         raise InputTypeError(
             explain(
@@ -103,14 +103,16 @@ def _check_plan(plan, module: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[St
     for pattern, styles in plan.items():
         styles = tuple(styles) if isinstance(styles, (tuple, list)) else (styles,)
         where = f"fd.parallelize_module(parallelize_plan[{pattern!r}])"
-        if not isinstance(pattern, str):
+        group = isinstance(pattern, tuple) and pattern and all(isinstance(p, str) for p in pattern)
+        if not isinstance(pattern, str) and not group:
             raise InputTypeError(
                 explain(
                     where,
-                    "plan keys are module names",
-                    expected="a str",
+                    "plan keys are module names (a tuple of them: one FullyShard unit of several modules)",
+                    expected="a str, or a tuple of str with an fd.FullyShard",
                     got=repr(pattern),
-                    fix='write the name as a string: "layers.*.mlp"',
+                    fix='write the name as a string: "layers.*.mlp", or group modules as '
+                    '("norm", "output"): fd.FullyShard("dp")',
                 )
             )
         styles = tuple(
@@ -138,16 +140,27 @@ def _check_plan(plan, module: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[St
                         fix=f"{type(style).__name__}(axis=...) with an axis of the mesh",
                     )
                 )
-        if not any(_match(pattern, name) for name in names):
-            raise LayoutError(
+        if group and not all(isinstance(style, FullyShard) for style in styles):
+            raise InputTypeError(
                 explain(
                     where,
-                    "the pattern matches no module",
-                    expected="a module name of the model (fnmatch per dot-separated part)",
-                    got=repr(pattern),
-                    fix=f"pick from the module's names, e.g. {[n for n in names if n][:6]}",
+                    "a tuple of module names is one fully-sharded unit: its parameters gathered together",
+                    expected="fd.FullyShard(axis)",
+                    got=", ".join(type(s).__name__ for s in styles),
+                    fix="give each module its other styles under its own name",
                 )
             )
+        for part in pattern if group else (pattern,):
+            if not any(_match(part, name) for name in names):
+                raise LayoutError(
+                    explain(
+                        where,
+                        "the pattern matches no module",
+                        expected="a module name of the model (fnmatch per dot-separated part)",
+                        got=repr(part),
+                        fix=f"pick from the module's names, e.g. {[n for n in names if n][:6]}",
+                    )
+                )
         checked[pattern] = styles
     return checked
 
@@ -162,11 +175,15 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
     plan it ships."""
     _check_module(module, "fd.parallelize_module")
     plan = _check_plan(parallelize_plan, module, device_mesh)
-    styles_of: dict[str, list[Style]] = {}
+    styles_of: dict = {}
     for name, _ in module.named_modules():
         for pattern, styles in plan.items():
-            if _match(pattern, name):
+            if isinstance(pattern, str) and _match(pattern, name):
                 styles_of.setdefault(name, []).extend(styles)
+    for pattern, styles in plan.items():  # a unit of several modules, keyed by their names
+        if isinstance(pattern, tuple):
+            members = tuple(n for n, _ in module.named_modules() if any(_match(p, n) for p in pattern))
+            styles_of.setdefault(members, []).extend(styles)
     return build_sharded_module(module, device_mesh, styles_of, None, None, "fd.parallelize_module")
 
 

@@ -74,14 +74,19 @@ def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> Sha
                 bindings[name].append((mod_name, attr))
     trainable = {name for name, t in params.items() if isinstance(t, nn.Parameter)}
 
-    # layouts: tensor-parallel styles of the owning module, then the FullyShard above it
-    fsdp_units: dict[str, str] = {}  # module name -> its FullyShard axis
-    for mod_name, styles in styles_of.items():
+    # layouts: tensor-parallel styles of the owning module, then the FullyShard above it. A
+    # unit is a module's name, or a tuple of module names gathered together (torch's
+    # fully_shard of a list of modules)
+    unit_axis: dict = {}  # unit -> its FullyShard axis
+    unit_of_module: dict[str, str | tuple[str, ...]] = {}  # module name -> the unit it begins
+    for key, styles in styles_of.items():
         for style in styles:
             if isinstance(style, FullyShard):
-                fsdp_units[mod_name] = style.axis
+                unit_axis[key] = style.axis
+                for member in key if isinstance(key, tuple) else (key,):
+                    unit_of_module[member] = key
     specs: dict[str, Layout] = {}
-    managed: dict[str, list[str]] = {}  # FullyShard module -> the parameters it gathers
+    managed: dict = {}  # FullyShard unit -> the parameters it gathers
     modules = dict(module.named_modules(remove_duplicate=False))
     for name, tensor in params.items():
         if layouts is not None:
@@ -97,9 +102,9 @@ def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> Sha
             if dim is not None:
                 _entries(entries, dim % tensor.dim(), style.axis)
         if name in trainable and tensor.dim() > 0:
-            unit = _unit_of(mod_name, fsdp_units)
+            unit = _unit_of(mod_name, unit_of_module)
             if unit is not None:
-                _entries(entries, 0, fsdp_units[unit])
+                _entries(entries, 0, unit_axis[unit])
                 managed.setdefault(unit, []).append(name)
         specs[name] = Layout.from_spec(mesh, P(*entries), where=f"{api} (parameter {name!r})")
     # data-parallel replication: the parameters under a ReplicateParallel, replicated over its
@@ -107,7 +112,7 @@ def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> Sha
     replicated_over: dict[str, list[str]] = {}
     for mod_name, styles in styles_of.items():
         for style in styles:
-            if isinstance(style, ReplicateParallel):
+            if isinstance(style, ReplicateParallel) and isinstance(mod_name, str):
                 for name in (n for n in params if n in trainable):  # one order on every rank
                     owned = owner[name]
                     inside = mod_name in ("", owned) or owned.startswith(f"{mod_name}.")
@@ -134,13 +139,13 @@ def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> Sha
     return ShardedModule(sharded_params, apply)
 
 
-def _unit_of(mod_name: str, units: dict[str, str]) -> str | None:
-    """The nearest module at or above ``mod_name`` with a FullyShard."""
+def _unit_of(mod_name: str, units: dict):
+    """The FullyShard unit of the nearest module at or above ``mod_name`` that has one."""
     parts = mod_name.split(".") if mod_name else []
     for cut in range(len(parts), -1, -1):
         candidate = ".".join(parts[:cut])
         if candidate in units:
-            return candidate
+            return units[candidate]
     return None
 
 
@@ -187,6 +192,8 @@ def _on_axis(x, mesh: DeviceMesh, axis: str, placement: Placement | None, where:
 def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None:
     modules = dict(skeleton.named_modules(remove_duplicate=False))
     for mod_name, styles in styles_of.items():
+        if isinstance(mod_name, tuple):  # a unit of several modules: FullyShard alone
+            continue
         sub = modules[mod_name]
         for style in styles:
             where = f"{type(style).__name__} on module {mod_name or 'the root'!r}"
@@ -199,7 +206,9 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
     for unit, names in managed.items():
         axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
-        modules[unit].register_forward_pre_hook(_gather_hook(names, places, mesh, axis))
+        hook = _gather_hook(names, places, mesh, axis)
+        for member in unit if isinstance(unit, tuple) else (unit,):  # the first to run gathers
+            modules[member].register_forward_pre_hook(hook)
     if root_fns is not None:
         input_fn, output_fn = root_fns
         if input_fn is not None:
@@ -252,17 +261,17 @@ def _output_hook(mesh, axis, wanted, where):
 
 
 def _gather_hook(names, places, mesh, axis):
-    """Before a FullyShard module's forward: its parameters, gathered over the data axis,
-    replace the sharded ones for this call (their gradients flow back to the shards). Those
-    whose blocks have one shape on every device go in one all-gather (their gradients in one
-    reduce-scatter), the others one by one."""
+    """Before the forward of a FullyShard unit's first module to run (a unit may span several
+    modules): its parameters, gathered over the data axis, replace the sharded ones for this
+    call (their gradients flow back to the shards). Those whose blocks have one shape on every
+    device go in one all-gather (their gradients in one reduce-scatter), the others one by one."""
 
     def hook(module, inputs):
         values = {}
         for name in names:
             sub, attr = places[name][0]
             value = sub._parameters[attr]
-            if isinstance(value, DTensor):
+            if isinstance(value, DTensor) and _sharded_over(value.sharding, axis):  # not gathered yet
                 values[name] = value
         even = [n for n, v in values.items() if _even_on_dim0(v)]
         storages = varied.gather_unit([storage_of(values[n]) for n in even], mesh, axis)
@@ -276,6 +285,13 @@ def _gather_hook(names, places, mesh, axis):
                 sub._parameters[attr] = gathered[name]
 
     return hook
+
+
+def _sharded_over(layout: Layout, axis: str) -> bool:
+    """Whether dim 0 of ``layout`` is split over ``axis`` last (minor): a FullyShard parameter
+    not gathered yet in this call."""
+    first = layout.spec[0] if layout.spec else None
+    return first == axis or (isinstance(first, tuple) and first[-1] == axis)
 
 
 def _even_on_dim0(value: DTensor) -> bool:

@@ -91,9 +91,12 @@ class _VaryAll(torch.autograd.Function):
     ``axes`` in one all-reduce of their concatenation (per dtype)."""
 
     @staticmethod
-    def forward(ctx, mesh, axes, *storages):
-        ctx.mesh, ctx.axes = mesh, axes
+    def forward(mesh, axes, *storages):
         return tuple(s.view_as(s) for s in storages)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.axes = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads):
@@ -126,7 +129,7 @@ def vary_all(storages: list[torch.Tensor], mesh: DeviceMesh, axes) -> list[torch
     needing = [i for i, s in enumerate(storages) if s.requires_grad]
     if not axes or not needing or mesh.axis_size(axes) == 1:
         return storages
-    varied = _VaryAll.apply(mesh, axes, *[storages[i] for i in needing])
+    varied = _applied(_VaryAll, mesh, axes, [storages[i] for i in needing])
     out = list(storages)
     for i, s in zip(needing, varied):
         out[i] = mark(s, axes)
@@ -136,6 +139,15 @@ def vary_all(storages: list[torch.Tensor], mesh: DeviceMesh, axes) -> list[torch
 # --- a fully-sharded unit's parameters, gathered together -------------------------------------
 
 
+def _applied(function, mesh: DeviceMesh, axes, storages) -> tuple[torch.Tensor, ...]:
+    """``function.apply(mesh, axes, *storages)``, or, where no storage needs a gradient, its
+    forward alone, as ``apply`` runs it then (Dynamo binds the arguments of a variadic
+    ``forward`` wrongly on that path: a backward traced by ``torch.compile`` takes it)."""
+    if torch.is_grad_enabled() and any([s is not None and s.requires_grad for s in storages]):
+        return function.apply(mesh, axes, *storages)
+    return function.forward(mesh, axes, *storages)
+
+
 def gather_unit(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
     """Each storage (dim 0 split over ``axis`` as its innermost axis, into blocks of one shape)
     gathered along dim 0 over ``axis`` and varied over it, FSDP's way: one all-gather of their
@@ -143,7 +155,7 @@ def gather_unit(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> li
     two are each other's transpose, to any order."""
     if mesh.axis_size((axis,)) == 1 or not storages:
         return storages
-    gathered = _GatherUnit.apply(mesh, axis, *storages)
+    gathered = _applied(_GatherUnit, mesh, axis, storages)
     return [mark(g, {axis, *axes_of(s)}) for g, s in zip(gathered, storages)]
 
 
@@ -210,7 +222,7 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_ScatterUnit.apply(ctx.mesh, ctx.axis, *grads))
+        return (None, None, *_applied(_ScatterUnit, ctx.mesh, ctx.axis, grads))
 
 
 class _ScatterUnit(torch.autograd.Function):
@@ -224,4 +236,4 @@ class _ScatterUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_GatherUnit.apply(ctx.mesh, ctx.axis, *grads))
+        return (None, None, *_applied(_GatherUnit, ctx.mesh, ctx.axis, grads))

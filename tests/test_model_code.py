@@ -162,3 +162,63 @@ def test_prepare_module_input_lays_out_keyword_inputs_and_checks_arity():
     with pytest.raises(fd.InputTypeError, match="keyword inputs"):
         fd.PrepareModuleInput(input_kwarg_layouts={"mask": R}, desired_input_kwarg_layouts={"m": R})
     assert fd.ColwiseParallel(use_local_output=True).use_local_output  # taken, as in torch
+
+
+class Stack(nn.Module):
+    """A body, then a norm and a head that torchtitan shards as one FSDP unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.output = nn.Linear(8, 6)
+
+    def forward(self, x):
+        return self.output(self.norm(self.body(x)))
+
+
+def job_unit_of_modules(mesh, grouped: bool) -> dict:
+    model = Stack().double()
+    unit = {("norm", "output"): fd.FullyShard("dp")}
+    if not grouped:
+        unit = {"norm": fd.FullyShard("dp"), "output": fd.FullyShard("dp")}
+    sharded = fd.parallelize_module(model, mesh, {"body": fd.FullyShard("dp"), **unit})
+    x = fd.distribute_tensor(torch.linspace(-1, 1, 32, dtype=torch.float64).reshape(4, 8), mesh, fd.P("dp"))
+    with fd.CommDebugMode() as comm:
+        loss = sharded.apply(sharded.params, x).square().sum()
+        grads = torch.autograd.grad(loss, list(sharded.params.values()))
+    return {
+        "loss": loss.full_tensor(),
+        "grads": {n: g.full_tensor() for n, g in zip(sharded.params, grads)},
+        "counts": comm.get_comm_counts(),
+        "layouts": {n: p.placements for n, p in sharded.params.items()},
+    }
+
+
+@pytest.mark.meshes((2,))
+def test_a_fully_sharded_unit_of_several_modules_gathers_them_together(backend, mesh):
+    """``("norm", "output"): fd.FullyShard("dp")`` (torch's ``fully_shard([norm, output])``):
+    both modules' parameters sharded, gathered in one all-gather when the first of them runs,
+    their gradients reduce-scattered in one collective; one device's loss and gradients."""
+    model = Stack().double()
+    x = torch.linspace(-1, 1, 32, dtype=torch.float64).reshape(4, 8)
+    want_loss = model(x).square().sum()
+    want = dict(zip(dict(model.named_parameters()), torch.autograd.grad(want_loss, list(model.parameters()))))
+    for grouped, gathers in ((True, 2), (False, 3)):
+        for got in backend.run(job_unit_of_modules, mesh.shape, ("dp",), grouped):
+            assert_close(got["loss"], want_loss)
+            assert_close(got["grads"], want)
+            assert got["layouts"]["output.weight"] == (fd.Shard(0),)
+            assert got["counts"]["all_gather"] == gathers
+            assert got["counts"]["reduce_scatter"] == gathers
+
+
+def test_a_unit_of_several_modules_takes_fully_shard_alone_and_names_modules_that_exist():
+    mesh = fd.simulated_mesh((2,), ("dp",))
+    with pytest.raises(fd.InputTypeError, match=r"one fully-sharded unit.*expected fd.FullyShard"):
+        fd.parallelize_module(Stack(), mesh, {("norm", "output"): fd.ColwiseParallel(axis="dp")})
+    with pytest.raises(fd.LayoutError, match="the pattern matches no module.*'head'"):
+        fd.parallelize_module(Stack(), mesh, {("norm", "head"): fd.FullyShard("dp")})
+    with pytest.raises(fd.InputTypeError, match="plan keys are module names"):
+        fd.parallelize_module(Stack(), mesh, {("norm", 3): fd.FullyShard("dp")})

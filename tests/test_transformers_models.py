@@ -108,21 +108,29 @@ def _batches():
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
 
 
-def job_train(mesh, name: str, variant: str):
+def job_train(mesh, name: str, variant: str, compiled: bool = False):
     """``STEPS`` AdamW steps of the sharded model: per step its loss and its gradients, with the
-    parameters they were taken at (global values)."""
+    parameters they were taken at (global values). ``compiled``: the loss by
+    ``torch.compile(fullgraph=True)`` of ``apply``."""
     model = MODELS[name]()
     sharded = fd.parallelize_module(model, mesh, plan_of(name, variant, model))
     params = sharded.params
     opt = fd.Optimizer(torch.optim.AdamW, params, lr=1e-2)
+
+    def loss_of(params, x):
+        return sharded.apply(params, input_ids=x, labels=x).loss
+
+    if compiled:
+        torch._dynamo.reset()
+        loss_of = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
     steps = []
     for ids in _batches():
         x = fd.distribute_tensor(ids, mesh, fd.P("dp"))
-        out = sharded.apply(params, input_ids=x, labels=x)
-        grads = dict(zip(params, torch.autograd.grad(out.loss, list(params.values()))))
+        loss = loss_of(params, x)
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
         steps.append(
             {
-                "loss": out.loss.full_tensor().detach(),
+                "loss": loss.full_tensor().detach(),
                 "params": {n: p.full_tensor().detach() for n, p in params.items()},
                 "grads": {n: g.full_tensor() for n, g in grads.items()},
             }
@@ -180,10 +188,19 @@ def test_a_transformers_model_trains_sharded_as_on_one_device_long(backend, mesh
     check_training(backend, name, variant)
 
 
-def check_training(backend, name: str, variant: str) -> None:
+@pytest.mark.slow
+@pytest.mark.meshes((2, 2))
+def test_llama_compiled_trains_sharded_as_on_one_device_long(backend, mesh):
+    """``torch.compile(fullgraph=True)`` of the sharded forward and loss of Llama as shipped
+    (tensor parallel by its plan and FSDP)."""
+    check_training(backend, "llama", "tp+fsdp", compiled=True)
+
+
+def check_training(backend, name: str, variant: str, compiled: bool = False) -> None:
     losses = one_device(name)
     batches = _batches()
-    for steps in backend.run(job_train, (2, 2), ("dp", "tp"), name, variant, timeout=240):
+    timeout = 900 if compiled else 240
+    for steps in backend.run(job_train, (2, 2), ("dp", "tp"), name, variant, compiled, timeout=timeout):
         for k, (step, want_loss, ids) in enumerate(zip(steps, losses, batches)):
             assert_close(step["loss"], want_loss, dtypes=(torch.float32,), msg=f"loss at step {k}")
             want = gradients_at(name, step["params"], ids)

@@ -10,7 +10,7 @@ from .. import _rules as rules
 from .._dtensor import DTensor
 from .._errors import InputTypeError, explain
 from .._global_ops import dispatch
-from .._op_decisions import GENERIC, Handler, register
+from .._op_decisions import GENERIC, Handler, register, resolved
 from .common import functions, no_params, plain
 
 __all__: list[str] = []
@@ -198,13 +198,14 @@ def _to(func, args, kwargs, ctx):
 
     rest = [v for v in args[1:] if not here(v)]
     kwargs = {k: v for k, v in kwargs.items() if not (k == "device" and here(v))}
-    return dispatch(_to_on_mesh, (x, *rest), kwargs) if rest or kwargs else x
+    return dispatch(_to_on_mesh, (x, *rest), kwargs, _TO_ON_MESH) if rest or kwargs else x
 
 
 register(
     [_to_on_mesh] + [getattr(torch.Tensor, n) for n in "int long bool type_as".split()],
     Handler(rules.elementwise, _conversion_params, _conversion_local, "to", batched="leading"),
 )
+_TO_ON_MESH = resolved(_to_on_mesh)  # (Dynamo searches no dict keyed by functions)
 register([torch.Tensor.to], Handler(None, no_params, _to, "to"))
 register(
     [torch.Tensor.detach, torch.detach], Handler(rules.linear, no_params, plain, "detach", batched="leading")

@@ -11,7 +11,7 @@ from .. import _rules as rules
 from .._dtensor import DTensor
 from .._errors import InputTypeError, ShapeError, explain
 from .._global_ops import dispatch
-from .._op_decisions import Handler, register
+from .._op_decisions import Handler, register, resolved
 from .._placements import Shard
 from .common import no_params
 
@@ -74,10 +74,10 @@ def _matmul(func, args, kwargs, ctx):
     (second) matrix, and the product drops that dim (two vectors: their dot product)."""
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or min(a.ndim, b.ndim) != 1:
-        return dispatch(_matmul_of_matrices, (a, b), {})
+        return dispatch(_matmul_of_matrices, (a, b), {}, _OF_MATRICES)
     rows = a.unsqueeze(0) if a.ndim == 1 else a
     cols = b.unsqueeze(-1) if b.ndim == 1 else b
-    out = dispatch(_matmul_of_matrices, (rows, cols), {})
+    out = dispatch(_matmul_of_matrices, (rows, cols), {}, _OF_MATRICES)
     if b.ndim == 1:
         out = out.squeeze(-1)
     return out.squeeze(-1 if b.ndim == 1 else -2) if a.ndim == 1 else out
@@ -87,6 +87,7 @@ register(
     [_matmul_of_matrices, torch.bmm, torch.Tensor.bmm],
     Handler(rules.matmul, _matmul_params, _matmul_local, "matmul", batched="matmul"),
 )
+_OF_MATRICES = resolved(_matmul_of_matrices)  # (Dynamo searches no dict keyed by functions)
 register(
     [torch.matmul, torch.Tensor.matmul],
     Handler(None, no_params, _matmul, "matmul", explained_as=_matmul_of_matrices),

@@ -12,7 +12,7 @@ from .. import _rules as rules
 from .._dtensor import DTensor
 from .._errors import InputTypeError, explain
 from .._global_ops import dispatch
-from .._op_decisions import GENERIC, Handler, refused, register
+from .._op_decisions import GENERIC, Handler, refused, register, resolved
 from .common import checked_dim, dim_param, functions, no_params, on_meta, plain
 
 __all__: list[str] = []
@@ -125,18 +125,19 @@ def _extreme(kind: str):
     values = _VALUES[kind]
 
     def composite(func, args, kwargs, ctx):
+        found = _FOUND[kind]
         x, rest = args[0], list(args[1:])
         dim = kwargs.get("dim", rest[0] if rest else ())
         keepdim = kwargs.get("keepdim", rest[1] if len(rest) > 1 else False)
         dim = () if dim is None else dim
         if not (torch.is_grad_enabled() and isinstance(x, DTensor) and x.requires_grad) or not x.ndim:
-            return dispatch(values, (x, dim, keepdim), {})
+            return dispatch(values, (x, dim, keepdim), {}, found)
         if torch.compiler.is_compiling() or x.dtype.is_complex or not x.dtype.is_floating_point:
-            return dispatch(values, (x, dim, keepdim), {})
+            return dispatch(values, (x, dim, keepdim), {}, found)
         dims = _dims(dim, x.ndim)
-        top = dispatch(values, (x.detach(), dims, True), {})
+        top = dispatch(values, (x.detach(), dims, True), {}, found)
         if not bool(torch.isfinite(top).all()):
-            return dispatch(values, (x, dim, keepdim), {})
+            return dispatch(values, (x, dim, keepdim), {}, found)
         hit = torch.eq(x, top)
         count = torch.sum(hit, dim=dims, keepdim=True)
         spread = torch.sum(torch.where(hit, torch.sub(x, top), 0.0), dim=dims, keepdim=True)
@@ -163,7 +164,7 @@ def _max_min(kind: str):
         if other is None:
             return whole(args[0])
         rest = {k: v for k, v in kwargs.items() if k != "dim"}  # the dim is passed as `other`
-        return dispatch(_MAX_ALONG[kind], (args[0], other, *args[2:]), rest)
+        return dispatch(_MAX_ALONG[kind], (args[0], other, *args[2:]), rest, _FOUND[f"{kind} along"])
 
     return composite
 
@@ -305,7 +306,8 @@ def _matrix_norm(func, args, kwargs, ctx):
     if ord == "fro":
         return torch.linalg.vector_norm(x, 2, dim, keepdim)
     if ord in ("nuc", 2, -2):
-        return dispatch(_singular_norm, (x, ord, tuple(d % x.ndim for d in dim), keepdim), {})
+        dims = tuple(d % x.ndim for d in dim)
+        return dispatch(_singular_norm, (x, ord, dims, keepdim), {}, _FOUND["singular norm"])
     rows, cols = dim
     summed, then = (cols, rows) if ord in (math.inf, -math.inf) else (rows, cols)
     sums = torch.sum(torch.abs(x), dim=summed, keepdim=True)
@@ -331,6 +333,14 @@ register(
     [_singular_norm],
     Handler(rules.whole, no_params, _singular_norm_local, "linalg.matrix_norm", batched="leading"),
 )
+
+# the internal forms composites dispatch to, by handler and number (a dict keyed by functions is
+# not searched while Dynamo traces)
+_FOUND = {
+    **{kind: resolved(form) for kind, form in _VALUES.items()},
+    **{f"{kind} along": resolved(form) for kind, form in _MAX_ALONG.items()},
+    "singular norm": resolved(_singular_norm),
+}
 
 
 # --- rules from torch's op metadata ------------------------------------------------------------

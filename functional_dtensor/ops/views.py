@@ -12,7 +12,7 @@ from .. import _rules as rules
 from .._cache import cached
 from .._errors import InputTypeError, explain
 from .._global_ops import dispatch
-from .._op_decisions import Handler, refused, register
+from .._op_decisions import Handler, refused, register, resolved
 from .._placements import Shard
 from .common import functions, no_params, on_meta, plain
 
@@ -306,13 +306,14 @@ def _cat(func, args, kwargs, ctx):
     dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
     if any(t.dim() > 1 for t in tensors):
         tensors = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
-    return dispatch(_cat_of_values, (tensors, dim), {})
+    return dispatch(_cat_of_values, (tensors, dim), {}, _OF_VALUES)
 
 
 register(
     [_cat_of_values],
     Handler(rules.concatenation, _cat_params(False), _cat_local, "cat", batched="leading"),
 )
+_OF_VALUES = resolved(_cat_of_values)  # (Dynamo searches no dict keyed by functions)
 register(
     [torch.cat, torch.concat, torch.concatenate],
     Handler(None, no_params, _cat, "cat", explained_as=_cat_of_values),

@@ -1,0 +1,127 @@
+"""``torch.compile`` of global ops and of a sharded module's training step, on both backends:
+compiled values and gradients equal the eager ones, with no graph break under
+``fullgraph=True``, and a call with a new size compiles again (Dynamo makes a size that changed
+dynamic; the library's decisions take it as a constant, guarded).
+
+The optimizer step compiles as torch's own does: with the graph breaks ``torch.optim`` puts
+around its update (no ``fullgraph``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import assert_close
+from torch import nn
+
+import functional_dtensor as fd
+
+COMPILER = "aot_eager"
+
+
+def global_ops(t: torch.Tensor, w: torch.Tensor, mesh) -> torch.Tensor:
+    """Global ops whose decisions depend on sizes: a reshape by the value's own sizes, a
+    concatenation of a list and of a tuple (inside ``fd.implicit_replication``: Dynamo looks
+    for fd.DTensor inside lists, not tuples), slices, a maximum with its gradient, a matmul, a
+    plain tensor replicated."""
+    x = fd.distribute_tensor(t, mesh, fd.P("x"))
+    rows, cols = x.shape
+    y = torch.cat([torch.sin(x), x], dim=1).reshape(rows, 2, cols).sum(1)
+    with fd.implicit_replication():
+        y = torch.cat((y[..., : cols // 2], y[..., cols // 2 :] * torch.ones(cols - cols // 2)), dim=-1)
+    top = torch.amax(y, 1, keepdim=True)
+    w = fd.distribute_tensor(w, mesh, fd.P())
+    return torch.matmul(torch.sub(y, top), w).square().mean().full_tensor()
+
+
+def job_global_ops(mesh) -> list[dict]:
+    """For two sizes of the sharded dim (the second compiles again, the size made dynamic): the
+    value and the gradients, eager and compiled."""
+    torch._dynamo.reset()
+    compiled = torch.compile(global_ops, fullgraph=True, backend=COMPILER)
+    w = torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(5, 3).requires_grad_()
+    found = []
+    for rows in (4, 8):
+        t = torch.linspace(-2, 2, rows * 5, dtype=torch.float64).reshape(rows, 5).requires_grad_()
+        each = {}
+        for run, fn in (("eager", global_ops), ("compiled", compiled)):
+            out = fn(t, w, mesh)
+            each[run] = (out.detach(), *torch.autograd.grad(out, (t, w)))
+        found.append(each)
+    return found
+
+
+@pytest.mark.meshes((2,), slow=("gloo-2",))
+def test_compiled_global_ops_compile_again_for_a_new_size(backend, mesh):
+    for got in backend.run(job_global_ops, mesh.shape, mesh.names, timeout=300):
+        for rows, each in zip((4, 8), got, strict=True):
+            assert_close(each["compiled"], each["eager"], msg=lambda m, r=rows: f"{r} rows: {m}")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = Block()
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x)))
+
+
+PLAN = {
+    "body.up": fd.ColwiseParallel(),
+    "body.down": fd.RowwiseParallel(),
+    "body": fd.FullyShard("dp"),
+    ("norm", "head"): fd.FullyShard("dp"),  # one unit of two modules, as torchtitan groups them
+}
+
+
+def job_module(mesh) -> dict:
+    """A tensor-parallel and fully-sharded model: the loss and gradients of ``apply``, eager and
+    compiled (fullgraph), for two batch sizes; then one optimizer step, eager and compiled."""
+    torch._dynamo.reset()
+    model = Model().double()
+    sharded = fd.parallelize_module(model, mesh, PLAN)
+    params = sharded.params
+
+    def loss_of(params, x):
+        return sharded.apply(params, x).square().mean()
+
+    compiled = torch.compile(loss_of, fullgraph=True, backend=COMPILER)
+    found: dict = {"steps": []}
+    grads = None
+    for rows in (4, 8):
+        t = torch.linspace(-1, 1, rows * 8, dtype=torch.float64).reshape(rows, 8)
+        x = fd.distribute_tensor(t, mesh, fd.P("dp"))
+        each = {}
+        for run, fn in (("eager", loss_of), ("compiled", compiled)):
+            loss = fn(params, x)
+            grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+            each[run] = (loss.full_tensor().detach(), {n: g.full_tensor() for n, g in grads.items()})
+        found["steps"].append(each)
+    for run in ("eager", "compiled"):
+        opt = fd.Optimizer(torch.optim.AdamW, params, lr=1e-2)
+        step = opt.step if run == "eager" else torch.compile(opt.step, backend=COMPILER)
+        found[run] = {n: p.full_tensor() for n, p in step(params, grads).items()}
+    return found
+
+
+@pytest.mark.meshes((2, 2), slow=("gloo-4",))
+def test_a_compiled_training_step_equals_the_eager_one(backend, mesh):
+    for got in backend.run(job_module, (2, 2), ("dp", "tp"), timeout=400):
+        for rows, each in zip((4, 8), got["steps"], strict=True):
+            assert_close(each["compiled"], each["eager"], msg=lambda m, r=rows: f"{r} rows: {m}")
+        # the compiled update orders AdamW's arithmetic its own way: equal within float64
+        assert_close(got["compiled"], got["eager"], msg=lambda m: f"optimizer step: {m}")
