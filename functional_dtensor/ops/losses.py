@@ -45,6 +45,14 @@ def _whole(value: DTensor) -> DTensor:
     return value.redistribute(without_partial(value.sharding)) if value.sharding.has_partial else value
 
 
+def _split_along(value: DTensor, dim: int) -> bool:
+    """Whether ``value``'s dim ``dim`` is split over some mesh axis (or Partial: its rows summed
+    from parts)."""
+    return value.sharding.has_partial or any(
+        p.is_shard() and p.dim == dim % value.ndim for p in value.placements
+    )
+
+
 def _described(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a torch.Tensor of shape {tuple(value.shape)}"
@@ -286,6 +294,11 @@ def _cross_entropy(func, args, kwargs, ctx):
     or of class probabilities. Where the class dim is sharded (loss parallel) only per-row
     maxima and sums cross devices, never the logits."""
     loss = _arguments(func, "cross_entropy", _CROSS_ENTROPY, args, kwargs)
+    if not _split_along(loss.input, loss.dim):  # whole rows on each device: torch's fused kernel
+        log_probs = F.log_softmax(_whole(loss.input), loss.dim)
+        if loss.probabilities:
+            return _probability_loss(log_probs, loss)
+        return _reduced(*_class_losses(log_probs, loss), loss.reduction)
     if loss.probabilities or loss.smoothing:  # every class's log-probability counts
         log_probs = _log_probabilities(loss.input, loss.dim)
         if loss.probabilities:
