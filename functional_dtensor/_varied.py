@@ -29,34 +29,56 @@ from ._mesh import DeviceMesh
 
 __all__ = ["TABLE", "PVARIED", "axes_of", "mark", "pvaried", "scope", "invariant", "vary_all"]
 
-#: id(storage) -> (storage, the axes it is varied over), while a forward runs
+#: id(storage) (a fresh negative key while compiling) -> (storage, the axes it is varied
+#: over), while a forward runs
 TABLE: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
 
 
-#: (id(storage), axes) -> (storage, its pvary over axes), while a forward runs: a value used by
-#: several ops is varied once, and the gradients of its uses summed on each device before one
-#: all-reduce (Megatron's "f": the input of q, k and v projections reduced once, not thrice)
+#: (id(storage) or a fresh key, axes) -> (storage, its pvary over axes), while a forward runs:
+#: a value used by several ops is varied once, and the gradients of its uses summed on each
+#: device before one all-reduce (Megatron's "f": the input of q, k and v projections reduced
+#: once, not thrice)
 PVARIED: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+# While Dynamo traces, the tables are searched by identity and filled under fresh keys: ``id()``
+# of a graph input (a parameter's storage) would guard the graph on that very tensor, and every
+# training step, with new parameters, would compile again.
+
+
+def _key(storage: torch.Tensor, table: dict) -> int:
+    return -1 - len(table) if torch.compiler.is_compiling() else id(storage)
 
 
 def pvaried(storage: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
     """``storage`` through ``pvary`` over ``axes``, once per forward."""
-    entry = PVARIED.get((id(storage), axes))
-    if entry is not None and entry[0] is storage:
-        return entry[1]
+    if torch.compiler.is_compiling():
+        for (_, over), (s, out) in PVARIED.items():
+            if s is storage and over == axes:
+                return out
+    else:
+        entry = PVARIED.get((id(storage), axes))
+        if entry is not None and entry[0] is storage:
+            return entry[1]
     out = on_storage(storage, mesh, Pvary, axes)
-    PVARIED[id(storage), axes] = (storage, out)
+    PVARIED[_key(storage, PVARIED), axes] = (storage, out)
     return out
 
 
 def axes_of(storage: torch.Tensor) -> frozenset[str]:
+    if torch.compiler.is_compiling():
+        found = frozenset()
+        for s, axes in TABLE.values():  # the last mark counts
+            if s is storage:
+                found = axes
+        return found
     entry = TABLE.get(id(storage))
     return entry[1] if entry is not None and entry[0] is storage else frozenset()
 
 
 def mark(storage: torch.Tensor, axes) -> torch.Tensor:
     if axes:
-        TABLE[id(storage)] = (storage, frozenset(axes))
+        TABLE[_key(storage, TABLE)] = (storage, frozenset(axes))
     return storage
 
 
