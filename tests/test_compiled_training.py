@@ -166,7 +166,8 @@ def job_whole_step(mesh) -> dict:
     return found
 
 
-@pytest.mark.meshes((2, 2), slow=("gloo-4",))
+@pytest.mark.slow
+@pytest.mark.meshes((2, 2))
 def test_a_whole_compiled_training_step_equals_the_eager_one(backend, mesh):
     for got in backend.run(job_whole_step, (2, 2), ("dp", "tp"), timeout=400):
         # float32's tolerance: compiled AdamW's step counter (see the test above)
