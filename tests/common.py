@@ -111,6 +111,26 @@ def _assert_leaf_close(got, want, low, terms: float, dtypes, say: Callable[[str]
     torch.testing.assert_close(got.to(want.dtype), want, rtol=rtol, atol=atol, equal_nan=True, msg=say)
 
 
+def train_sharded(params: dict, batches, loss_of: Callable) -> list[dict]:
+    """AdamW steps (``fd.Optimizer``, lr 1e-2) of a sharded model, one per batch: per step the
+    loss ``loss_of(params, batch)``, the parameters it was taken at and its gradients, as
+    global values (a model test compares them with one device's)."""
+    opt = fd.Optimizer(torch.optim.AdamW, params, lr=1e-2)
+    steps = []
+    for batch in batches:
+        loss = loss_of(params, batch)
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+        steps.append(
+            {
+                "loss": loss.full_tensor().detach(),
+                "params": {n: p.full_tensor().detach() for n, p in params.items()},
+                "grads": {n: g.full_tensor() for n, g in grads.items()},
+            }
+        )
+        params = opt.step(params, grads)
+    return steps
+
+
 def in_float64(tree):
     """``tree`` with every float (complex) tensor and module converted to float64 (complex128):
     the arguments of a float64 reference. Modules are copied, tensors keep ``requires_grad``."""

@@ -24,7 +24,7 @@ import torch
 import functional_dtensor as fd
 
 torchtitan = pytest.importorskip("torchtitan")
-from common import assert_close  # noqa: E402
+from common import assert_close, train_sharded  # noqa: E402
 
 # torchtitan's model code, imported plainly: where torchtitan is installed but cannot import
 # (its models import triton), the test fails rather than skips
@@ -164,23 +164,10 @@ def job_train(mesh, variant: str, fuse_qkv: bool):
     """``STEPS`` AdamW steps of the sharded model: per step its loss and its gradients, with the
     parameters they were taken at (global values)."""
     sharded = fd.parallelize_module(llama3(fuse_qkv), mesh, plan_of(variant, fuse_qkv))
-    params = sharded.params
-    opt = fd.Optimizer(torch.optim.AdamW, params, lr=1e-2)
-    steps = []
-    for ids, labels in _batches():
-        x = fd.distribute_tensor(ids, mesh, fd.P("dp"))
-        y = fd.distribute_tensor(labels, mesh, fd.P("dp"))
-        loss = loss_of(sharded.apply(params, x), y)
-        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
-        steps.append(
-            {
-                "loss": loss.full_tensor().detach(),
-                "params": {n: p.full_tensor().detach() for n, p in params.items()},
-                "grads": {n: g.full_tensor() for n, g in grads.items()},
-            }
-        )
-        params = opt.step(params, grads)
-    return steps
+    batches = [[fd.distribute_tensor(t, mesh, fd.P("dp")) for t in batch] for batch in _batches()]
+    return train_sharded(
+        sharded.params, batches, lambda params, b: loss_of(sharded.apply(params, b[0]), b[1])
+    )
 
 
 def one_device(fuse_qkv: bool) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 import functional_dtensor as fd
 
 transformers = pytest.importorskip("transformers")
-from common import assert_close  # noqa: E402
+from common import assert_close, train_sharded  # noqa: E402
 
 R, S = fd.Replicate(), fd.Shard
 VOCAB, BATCH, SEQ, STEPS = 128, 4, 16, 3
@@ -114,8 +114,6 @@ def job_train(mesh, name: str, variant: str, compiled: bool = False):
     ``torch.compile(fullgraph=True)`` of ``apply``."""
     model = MODELS[name]()
     sharded = fd.parallelize_module(model, mesh, plan_of(name, variant, model))
-    params = sharded.params
-    opt = fd.Optimizer(torch.optim.AdamW, params, lr=1e-2)
 
     def loss_of(params, x):
         return sharded.apply(params, input_ids=x, labels=x).loss
@@ -123,20 +121,8 @@ def job_train(mesh, name: str, variant: str, compiled: bool = False):
     if compiled:
         torch._dynamo.reset()
         loss_of = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
-    steps = []
-    for ids in _batches():
-        x = fd.distribute_tensor(ids, mesh, fd.P("dp"))
-        loss = loss_of(params, x)
-        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
-        steps.append(
-            {
-                "loss": loss.full_tensor().detach(),
-                "params": {n: p.full_tensor().detach() for n, p in params.items()},
-                "grads": {n: g.full_tensor() for n, g in grads.items()},
-            }
-        )
-        params = opt.step(params, grads)
-    return steps
+    batches = [fd.distribute_tensor(ids, mesh, fd.P("dp")) for ids in _batches()]
+    return train_sharded(sharded.params, batches, loss_of)
 
 
 def one_device(name: str) -> list[float]:
