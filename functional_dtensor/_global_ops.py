@@ -435,9 +435,9 @@ def unsupported_while_compiling(name: str, *, rule: bool = True) -> FunctionalDT
     return FunctionalDTensorError(
         explain(
             f"torch.{name} (under torch.compile)",
-            "a call with nested arguments (lists, slices) is decided outside the graph only in eager mode",
-            expected="values, numbers, dtypes and sizes as arguments",
-            got="nested arguments",
+            "a call with deeply nested arguments is decided outside the graph only in eager mode",
+            expected="values, plain tensors, numbers, dtypes, sizes, slices, or lists and tuples of these",
+            got="arguments nested deeper (a list of lists, a dict, another container)",
             fix="call it outside the compiled function, or inside fd.shard_map / fd.local_map",
         )
     )
