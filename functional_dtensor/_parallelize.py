@@ -172,7 +172,8 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
     one of transformers' plan strings (``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
     ``"embedding_rowwise"``, ``"sequence_parallel"``, ...), on the mesh's ``"tp"`` axis, so
     ``fd.parallelize_module(model, mesh, model._tp_plan)`` lays out a transformers model by the
-    plan it ships."""
+    plan it ships. A key may be a tuple of names with ``fd.FullyShard``: one unit of several
+    modules, gathered together (torch's ``fully_shard([norm, output])``)."""
     _check_module(module, "fd.parallelize_module")
     plan = _check_plan(parallelize_plan, module, device_mesh)
     styles_of: dict = {}
