@@ -29,14 +29,19 @@ class Frame:
     device_level: int | None = None  # the level of the vmap over the devices, if any
 
 
-_local = threading.local()
+class _Frames(threading.local):
+    """Each thread's stack of frames, there from the thread's first look (a compiled graph
+    guarded on the stack then holds on the next call: no attribute appears after the first)."""
+
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+
+
+_local = _Frames()
 
 
 def _stack() -> list[Frame]:
-    frames = getattr(_local, "frames", None)
-    if frames is None:
-        frames = _local.frames = []
-    return frames
+    return _local.frames
 
 
 class bound_axes:

@@ -30,8 +30,8 @@ def applied(monkeypatch):
     calls = []
     for func, rule in list(simulated_batching.RULES.items()):
 
-        def spy(level, args, kwargs, rule=rule):
-            out = rule(level, args, kwargs)
+        def spy(level, size, args, kwargs, rule=rule):
+            out = rule(level, size, args, kwargs)
             calls.append(out is not None)
             return out
 

@@ -303,3 +303,51 @@ def test_a_transform_inside_the_per_device_function_is_refused_under_fullgraph()
         torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     torch._dynamo.reset()
     assert_close(torch.compile(step, backend="aot_eager")(x), eager)
+
+
+# --- what the simulated backend compiles into ----------------------------------------------------
+
+
+@pytest.mark.parametrize("check_rep", [True, False])
+def test_compiled_replicated_times_column_blocks_is_one_matmul(check_rep):
+    """On a simulated mesh, a replicated activation times the column blocks of a weight compiles,
+    as it runs eagerly, into one matmul with the whole weight (not a batched matmul against
+    copies of the activation); values and gradients equal one device's."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    mesh = fd.simulated_mesh(4, "tp")
+    f = fd.shard_map(
+        lambda x, w1, w2: fd.psum(torch.relu(x @ w1) @ w2, "tp"),
+        mesh=mesh,
+        in_specs=(fd.P(), fd.P(None, "tp"), fd.P("tp", None)),
+        out_specs=fd.P(),
+        check_rep=check_rep,
+    )
+    products = []
+
+    def capture(gm, example_inputs):
+        def forward(graph, inputs):
+            products.extend(
+                (str(n.target), tuple(n.meta["val"].shape))
+                for n in graph.graph.nodes
+                if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+            )
+            return make_boxed_func(graph)
+
+        backward = lambda graph, inputs: make_boxed_func(graph)  # noqa: E731
+        return aot_module_simplified(gm, example_inputs, fw_compiler=forward, bw_compiler=backward)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, dtype=torch.float64, generator=g)
+    w1, w2 = (torch.randn(s, dtype=torch.float64, generator=g).requires_grad_() for s in ((8, 16), (16, 8)))
+    out = torch.compile(lambda *a: f(*a).full_tensor(), fullgraph=True, backend=capture)(x, w1, w2)
+    want = torch.relu(x @ w1) @ w2
+    assert_close(out, want)
+    for got, expected in zip(
+        torch.autograd.grad(out.sum(), (w1, w2)), torch.autograd.grad(want.sum(), (w1, w2))
+    ):
+        assert_close(got, expected)
+    assert ("aten.mm.default", (3, 16)) in products, products  # the whole hidden width at once
+    assert ("aten.bmm.default", (4, 3, 4)) not in products, products  # x against copies of it

@@ -10,8 +10,8 @@ transposes its result into a copy; its backward copies again.
 ``scaled_dot_product_attention`` has no batching rule in torch (it would run once per device,
 with a warning): its rule runs it once, the device dim leading as one more batch dim.
 
-Each rule in :data:`RULES` takes the device vmap level and the op's arguments (the device level
-the innermost transform) and returns the batched result, or ``None`` where it does not apply.
+Each rule in :data:`RULES` takes the device vmap's level and size and the op's arguments (the
+device level the innermost transform) and returns the batched result, or ``None`` where it does not apply.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._functorch import add_batch_dim, below_current_level, level_of, unwrap_batched
+from .._functorch import add_batch_dim, below_current_level, level_of, remove_batch_dim, unwrap_batched
 
 __all__ = ["by_rule", "BatchingRules"]
 
 
-def _replicated_times_blocks(level: int, args, kwargs, *, matrix_only: bool):
+def _replicated_times_blocks(level: int, size: int, args, kwargs, *, matrix_only: bool):
     """``x @ w`` for ``x`` not batched over the devices and ``w`` a device-batched matrix."""
     if kwargs or len(args) != 2:
         return None
@@ -35,10 +35,13 @@ def _replicated_times_blocks(level: int, args, kwargs, *, matrix_only: bool):
         return None
     if w.dim() != 2 or x.dim() == 0 or (matrix_only and x.dim() != 2) or x.shape[-1] != w.shape[0]:
         return None
-    blocks, device_dim = unwrap_batched(w, level)
-    if blocks.dim() != 3:  # batched at this level over more than the devices
-        return None
-    blocks = blocks.movedim(device_dim, 1)  # (k, n, m)
+    if torch.compiler.is_compiling():  # (functorch's unwrapping is not traced)
+        blocks = remove_batch_dim(w, level, size).movedim(0, 1)
+    else:
+        blocks, device_dim = unwrap_batched(w, level)
+        if blocks.dim() != 3:  # batched at this level over more than the devices
+            return None
+        blocks = blocks.movedim(device_dim, 1)  # (k, n, m)
     k, n, m = blocks.shape
     if blocks.stride(1) != m * blocks.stride(2):  # the device dim does not fold into the columns
         return None
@@ -46,15 +49,15 @@ def _replicated_times_blocks(level: int, args, kwargs, *, matrix_only: bool):
     return add_batch_dim(out, out.dim() - 2, level)
 
 
-def _matmul(level, args, kwargs):
-    return _replicated_times_blocks(level, args, kwargs, matrix_only=False)
+def _matmul(level, size, args, kwargs):
+    return _replicated_times_blocks(level, size, args, kwargs, matrix_only=False)
 
 
-def _mm(level, args, kwargs):
-    return _replicated_times_blocks(level, args, kwargs, matrix_only=True)
+def _mm(level, size, args, kwargs):
+    return _replicated_times_blocks(level, size, args, kwargs, matrix_only=True)
 
 
-def _attention(level, args, kwargs):
+def _attention(level, size, args, kwargs):
     """``scaled_dot_product_attention`` of device-batched values (torch has no batching rule for
     it and would loop over the devices): the device dim leads as one more batch dim."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -115,23 +118,29 @@ RULES = {
 }
 
 
-def by_rule(func, level: int, args, kwargs):
-    """``func(*args, **kwargs)`` computed by its rule, or ``None`` where no rule applies."""
+#: the rules that trace under ``torch.compile`` (the others unwrap functorch's wrappers, which
+#: Dynamo does not trace; the compiled graph then batches those ops by functorch's rules)
+TRACED = frozenset([_matmul, _mm])
+
+
+def by_rule(func, level: int, size: int, args, kwargs):
+    """``func(*args, **kwargs)`` computed by its rule, or ``None`` where no rule applies (the
+    device vmap at ``level`` over ``size`` devices)."""
     rule = RULES.get(func)
-    if rule is None or torch.compiler.is_compiling():  # the compiler plans its own matmuls
+    if rule is None or (rule not in TRACED and torch.compiler.is_compiling()):
         return None
-    return rule(level, args, kwargs)
+    return rule(level, size, args, kwargs)
 
 
 class BatchingRules(TorchFunctionMode):
     """Apply :data:`RULES` to the ops of a per-device function running at the device ``level``
     (the replication tracker applies them itself)."""
 
-    def __init__(self, level: int) -> None:
+    def __init__(self, level: int, size: int) -> None:
         super().__init__()
-        self.level = level
+        self.level, self.size = level, size
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = by_rule(func, self.level, args, kwargs)
+        out = by_rule(func, self.level, self.size, args, kwargs)
         return func(*args, **kwargs) if out is None else out

@@ -230,14 +230,14 @@ def run_op(frame, func, args, kwargs, lift: bool):
             args, kwargs = replace_inputs(
                 func, args, kwargs, lambda v: v if level_of(v) == level else on_devices(v, frame)
             )
-    out = by_rule(func, level, args, kwargs)
+    out = by_rule(func, level, frame.mesh.size, args, kwargs)
     return func(*args, **kwargs) if out is None else out
 
 
 def ops_mode(frame):
     """The torch-function mode that applies the batching rules to a per-device function run
     without replication tracking."""
-    return BatchingRules(frame.device_level)
+    return BatchingRules(frame.device_level, frame.mesh.size)
 
 
 def leave(value, replicated: bool, frame):
