@@ -16,6 +16,10 @@ Variants, interleaved in one loop in one process:
 * ``fd.shard_map, 8``: ``fd.shard_map`` over ``fd.simulated_mesh(8, "tp")`` with specs
   ``(P(), P(None, "tp"), P("tp", None)) -> P()`` and ``fd.psum``, called on the global tensors,
   ``torch.autograd.grad`` through it (the gradients come back as global tensors).
+* ``torch.compile, unsharded`` and ``torch.compile(fd.shard_map), 8``: the two torch steps with
+  their loss function compiled by ``torch.compile`` (inductor; the backward compiled with it),
+  as ``jax.jit`` compiles JAX's. Compiled first, before timing (``--no-compile`` leaves them
+  out).
 * ``jax.jit, unsharded``: ``jax.jit(jax.value_and_grad(loss, argnums=(1, 2)))`` on one host
   device: the denominator of JAX's ratio.
 * ``jax.jit(shard_map), 8``: ``jax.jit`` of ``jax.value_and_grad`` of ``jax.shard_map`` of the
@@ -93,7 +97,17 @@ def torch_unsharded(x, w1, w2):
     return step
 
 
-def fd_sharded(x, w1, w2):
+def torch_compiled(x, w1, w2):
+    loss_of = torch.compile(lambda x, w1, w2: ((torch.relu(x @ w1) @ w2) ** 2).mean())
+
+    def step():
+        loss = loss_of(x, w1, w2)
+        return (loss, *torch.autograd.grad(loss, (w1, w2)))
+
+    return step
+
+
+def fd_loss():
     mesh = fd.simulated_mesh(DEVICES, "tp")
 
     @fd.shard_map(mesh=mesh, in_specs=(fd.P(), fd.P(None, "tp"), fd.P("tp", None)), out_specs=fd.P())
@@ -101,8 +115,14 @@ def fd_sharded(x, w1, w2):
         y = fd.psum(torch.relu(x @ w1_cols) @ w2_rows, "tp")
         return (y**2).mean()
 
+    return lambda x, w1, w2: mlp_loss(x, w1, w2).full_tensor()
+
+
+def fd_sharded(x, w1, w2, *, compiled: bool = False):
+    loss_of = torch.compile(fd_loss()) if compiled else fd_loss()
+
     def step():
-        loss = mlp_loss(x, w1, w2).full_tensor()
+        loss = loss_of(x, w1, w2)
         return (loss, *torch.autograd.grad(loss, (w1, w2)))
 
     return step
@@ -153,6 +173,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few repetitions only")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steady_malloc()
@@ -167,6 +188,13 @@ def main():
     steps["fd.shard_map, 8"] = fd_sharded(x, w1, w2)
     got = result(steps["fd.shard_map, 8"])
     checked("fd.shard_map against the torch unsharded step", got, reference, torch_f32)
+    if not args.no_compile:
+        steps["torch.compile, unsharded"] = torch_compiled(x, w1, w2)
+        compiled_f32 = result(steps["torch.compile, unsharded"])
+        checked("torch.compile unsharded against torch unsharded", compiled_f32, reference, torch_f32)
+        steps["torch.compile(fd.shard_map), 8"] = fd_sharded(x, w1, w2, compiled=True)
+        got = result(steps["torch.compile(fd.shard_map), 8"])
+        checked("torch.compile(fd.shard_map) against torch.compile unsharded", got, reference, compiled_f32)
     if jax is None:
         print("JAX is not installed: the JAX variants are skipped (pip install -e '.[bench]')")
     else:
@@ -182,6 +210,8 @@ def main():
     denominator = {
         "torch, unsharded": "torch, unsharded",
         "fd.shard_map, 8": "torch, unsharded",
+        "torch.compile, unsharded": "torch.compile, unsharded",
+        "torch.compile(fd.shard_map), 8": "torch.compile, unsharded",
         "jax.jit, unsharded": "jax.jit, unsharded",
         "jax.jit(shard_map), 8": "jax.jit, unsharded",
     }
@@ -192,17 +222,25 @@ def main():
             f"{wall[name]:.2f}",
             f"{cpu[name] / cpu[denominator[name]]:.2f}",
             f"{wall[name] / wall[denominator[name]]:.2f}",
+            "" if name.startswith("jax") else f"{cpu[name] / cpu['torch, unsharded']:.2f}",
         ]
         for name in steps
     ]
     caption = f"fd.shard_map / torch unsharded: {cpu['fd.shard_map, 8'] / cpu['torch, unsharded']:.2f}x (cpu)"
+    if not args.no_compile:
+        compiled = cpu["torch.compile(fd.shard_map), 8"]
+        caption += (
+            f"; torch.compile(fd.shard_map) / torch.compile unsharded: "
+            f"{compiled / cpu['torch.compile, unsharded']:.2f}x, / eager torch unsharded: "
+            f"{compiled / cpu['torch, unsharded']:.2f}x (cpu)"
+        )
     if jax is not None:
         ratio = cpu["jax.jit(shard_map), 8"] / cpu["jax.jit, unsharded"]
         caption += f"; jax.jit(shard_map) / jax.jit unsharded: {ratio:.2f}x (cpu); jax {jax.__version__}"
     print_table(
         f"TP MLP loss and gradients (batch {BATCH}, dim {DIM}, hidden {HIDDEN}, {DEVICES} devices): "
         f"medians of {reps} interleaved reps, 1 torch thread",
-        ["variant", "cpu ms", "wall ms", "/ own unsharded", "/ own unsharded (wall)"],
+        ["variant", "cpu ms", "wall ms", "/ own unsharded", "/ own unsharded (wall)", "/ torch unsharded"],
         rows,
         caption=caption,
     )

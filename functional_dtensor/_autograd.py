@@ -29,7 +29,7 @@ def apply(function: type[torch.autograd.Function], *args):
     forward-mode rule (see :func:`compilable`) except while compiling."""
     if torch.compiler.is_compiling():
         return function.apply(*args)
-    function = function.with_jvp
+    function = getattr(function, "with_jvp", function)
     if transforms_active():
         return function.apply(*args)
     return super(torch.autograd.Function, function).apply(*args)

@@ -416,7 +416,8 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
     infinite = math.isinf(norm_type)
     groups: dict = {}
     for g in present:
-        g = g.float()
+        if g.dtype not in (torch.float32, torch.float64):  # low precision: the norm in float32
+            g = g.float()
         part = (
             g.abs().amax() if infinite else (g.abs() ** norm_type).sum() if norm_type != 2 else (g * g).sum()
         )
@@ -434,5 +435,6 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
     if not infinite:
         total = total ** (1.0 / norm_type)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    clipped = [None if g is None else g * coef.to(g.dtype) for g in leaves]
+    coefs = {g.dtype: coef.to(g.dtype) for g in present}
+    clipped = [None if g is None else g * coefs[g.dtype] for g in leaves]
     return optree.tree_unflatten(spec, clipped), total

@@ -128,9 +128,7 @@ def _steps(
     rebuilds the steps from constants). ``gradient``: a cotangent's way back (for the log)."""
     integral = not (storage.is_floating_point() or storage.is_complex())
     if not torch.compiler.is_compiling():
-        steps = _PLANS[
-            _plan_index(layout_key(source), layout_key(target), shape, storage.element_size(), integral)
-        ]
+        steps = _eager_steps(source, target, shape, storage.element_size(), integral)
         if log.plans.isEnabledFor(logging.INFO):
             _log_plan((source, target, shape, storage.element_size(), integral), steps, gradient)
         return steps
@@ -312,6 +310,13 @@ def _plan_index(
 ) -> int:
     steps = plan(layout_of_key(source_key), layout_of_key(target_key), shape, itemsize, integral)
     return _PLANS.number(steps, lambda: steps)
+
+
+@cached(4096)
+def _eager_steps(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool):
+    """The planned steps, by the layouts themselves (a compiled graph finds them by number, from
+    keys Dynamo can hold as constants: :func:`_plan_index`)."""
+    return _PLANS[_plan_index(layout_key(source), layout_key(target), shape, itemsize, integral)]
 
 
 _LOGGED_PLANS = Bounded(4096, "redistribute: plans logged")  # the plans logged: each once

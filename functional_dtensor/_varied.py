@@ -23,6 +23,7 @@ import contextlib
 
 import torch
 
+from . import _autograd as autograd
 from ._backend import backend_of
 from ._collectives import AllReduce, Pvary, SplitCotangent, on_storage
 from ._mesh import DeviceMesh
@@ -166,7 +167,7 @@ def _applied(function, mesh: DeviceMesh, axes, storages) -> tuple[torch.Tensor, 
     forward alone, as ``apply`` runs it then (Dynamo binds the arguments of a variadic
     ``forward`` wrongly on that path: a backward traced by ``torch.compile`` takes it)."""
     if torch.is_grad_enabled() and any([s is not None and s.requires_grad for s in storages]):
-        return function.apply(mesh, axes, *storages)
+        return autograd.apply(function, mesh, axes, *storages)
     return function.forward(mesh, axes, *storages)
 
 

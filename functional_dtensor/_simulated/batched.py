@@ -21,6 +21,7 @@ from __future__ import annotations
 import optree
 import torch
 
+from .. import _autograd as autograd
 from .._blocks import pad
 from .._cache import cached
 from .._op_args import quiet_if
@@ -154,7 +155,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.size(2) == 1 and a.is_floating_point():
         return a * b
     if b.requires_grad and b.mT.is_contiguous() and not b.is_contiguous():
-        return _Bmm.apply(a, b)
+        return autograd.apply(_Bmm, a, b)
     return torch.bmm(a, b)
 
 

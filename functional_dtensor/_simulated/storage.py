@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _autograd as autograd
 from .. import _blocks as blocks
 from .._cache import cached
 from .._errors import InputTypeError, ShapeError, explain
@@ -313,7 +314,7 @@ class _Replica(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _HeldOnce.apply(g, ctx.devices)  # (its own derivative takes one replica again)
+        return autograd.apply(_HeldOnce, g, ctx.devices)  # (its own derivative takes one replica again)
 
 
 class _HeldOnce(torch.autograd.Function):
@@ -331,19 +332,19 @@ class _HeldOnce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _Replica.apply(g), None
+        return autograd.apply(_Replica, g), None
 
 
 def replica(storage: torch.Tensor) -> torch.Tensor:
     """One device's block of the storage of a replicated value (all are equal)."""
-    return _Replica.apply(storage) if storage.requires_grad else storage[0]
+    return autograd.apply(_Replica, storage) if storage.requires_grad else storage[0]
 
 
 def replicated(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The storage, in the replicated ``layout``, of ``tensor``: every device's value, computed
     once."""
     if tensor.requires_grad:
-        return _HeldOnce.apply(tensor, layout.mesh.size)
+        return autograd.apply(_HeldOnce, tensor, layout.mesh.size)
     return tensor.unsqueeze(0).expand(layout.mesh.size, *tensor.shape)
 
 
