@@ -23,33 +23,36 @@ from ._varying import axes_varying, tag
 
 __all__ = ["ReplicationTracker"]
 
-_RANDOM = {
-    torch.rand,
-    torch.randn,
-    torch.randint,
-    torch.rand_like,
-    torch.randn_like,
-    torch.randint_like,
-    torch.bernoulli,
-    torch.normal,
-    torch.multinomial,
-    torch.poisson,
-    torch.randperm,
-    F.dropout,
-    F.dropout1d,
-    F.dropout2d,
-    F.dropout3d,
-    F.alpha_dropout,
-    F.feature_alpha_dropout,
-    torch.Tensor.uniform_,
-    torch.Tensor.normal_,
-    torch.Tensor.bernoulli_,
-    torch.Tensor.random_,
-    torch.Tensor.exponential_,
-    torch.Tensor.geometric_,
-    torch.Tensor.cauchy_,
-    torch.Tensor.log_normal_,
-}
+#: a dict, not a set: a compiled graph guards one key of a dict, every member of a set
+_RANDOM = dict.fromkeys(
+    [
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.bernoulli,
+        torch.normal,
+        torch.multinomial,
+        torch.poisson,
+        torch.randperm,
+        F.dropout,
+        F.dropout1d,
+        F.dropout2d,
+        F.dropout3d,
+        F.alpha_dropout,
+        F.feature_alpha_dropout,
+        torch.Tensor.uniform_,
+        torch.Tensor.normal_,
+        torch.Tensor.bernoulli_,
+        torch.Tensor.random_,
+        torch.Tensor.exponential_,
+        torch.Tensor.geometric_,
+        torch.Tensor.cauchy_,
+        torch.Tensor.log_normal_,
+    ]
+)
 
 
 class ReplicationTracker(TorchFunctionMode):
