@@ -340,11 +340,13 @@ def test_optimizer_state_loads_onto_another_layout():
     assert b["w"].spec == fd.P(("y", "x"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
-def test_clip_grad_norm_equals_torch(norm_type):
+def test_clip_grad_norm_equals_torch(norm_type, dtype):
+    """In the gradients' dtype, as torch's: a float64 norm is not rounded to float32."""
     torch.manual_seed(0)
     mesh = fd.simulated_mesh((2, 2), ("x", "y"))
-    tensors = [torch.randn(6, 4), torch.randn(5), torch.randn(4, 4)]
+    tensors = [torch.randn(6, 4, dtype=dtype), torch.randn(5, dtype=dtype), torch.randn(4, 4, dtype=dtype)]
     specs = [fd.P("x", "y"), fd.P(("x", "y")), fd.P()]
     grads = {f"g{i}": fd.distribute_tensor(t, mesh, s) for i, (t, s) in enumerate(zip(tensors, specs))}
     reference = [t.clone() for t in tensors]
@@ -353,6 +355,7 @@ def test_clip_grad_norm_equals_torch(norm_type):
     expected = torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type)
     with fd.CommDebugMode() as comm:
         clipped, total = fd.clip_grad_norm(grads, 1.0, norm_type)
+    assert total.dtype == expected.dtype == dtype
     assert_close(total.full_tensor(), expected)
     for i, t in enumerate(reference):
         assert_close(clipped[f"g{i}"].full_tensor(), t.grad)
