@@ -26,7 +26,7 @@ __all__ = ["apply", "compilable", "Collective", "differentiated"]
 
 def apply(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)``, skipping the signature binding where it is not needed; with its
-    forward-mode rule (see :func:`compilable`) except while compiling."""
+    forward-mode rule (see :func:`compilable`), where it has one, except while compiling."""
     if torch.compiler.is_compiling():
         return function.apply(*args)
     function = getattr(function, "with_jvp", function)

@@ -11,8 +11,8 @@ transposes its result into a copy; its backward copies again.
 with a warning): its rule runs it once, the device dim leading as one more batch dim.
 
 Each rule in :data:`RULES` takes the device vmap's level and size and the op's arguments (the
-device level the innermost transform) and returns the batched result, or ``None`` where it does not apply.
-"""
+device level the innermost transform) and returns the batched result, or ``None`` where it does
+not apply. The matmul rules run under ``torch.compile`` too (:data:`TRACED`)."""
 
 from __future__ import annotations
 
