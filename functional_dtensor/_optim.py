@@ -36,8 +36,9 @@ import optree
 import torch
 
 from ._backend import backend_of
-from ._dtensor import DTensor, new_value, storage_of
+from ._dtensor import DTensor, new_value, storage_of, without_partial
 from ._errors import InputTypeError, LayoutError, ShapeError, explain
+from ._layout import Layout
 from ._placements import Partial, Replicate
 from ._public import public
 from ._redistribute import redistribute
@@ -376,8 +377,9 @@ class Optimizer(torch.optim.Optimizer):
 def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
     """``(clipped, total_norm)``: ``grads`` (a pytree of ``fd.DTensor``) scaled so that their
     global ``norm_type``-norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``),
-    and that norm, a replicated scalar. The norms of shards are summed across devices: one
-    all-reduce per distinct layout among the gradients."""
+    and that norm, a replicated scalar, both not differentiated (as torch's). Each device's
+    shards are reduced by plain torch ops on the storage; the devices' parts are summed by one
+    all-reduce per set of mesh axes the gradients are split over."""
     where = "fd.clip_grad_norm"
     leaves, spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=NAMESPACE)
     present = [g for g in leaves if g is not None]
@@ -413,28 +415,53 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
                 fix="use 2.0 (the default), 1.0 or math.inf",
             )
         )
-    infinite = math.isinf(norm_type)
-    groups: dict = {}
-    for g in present:
-        if g.dtype not in (torch.float32, torch.float64):  # low precision: the norm in float32
-            g = g.float()
-        part = (
-            g.abs().amax() if infinite else (g.abs() ** norm_type).sum() if norm_type != 2 else (g * g).sum()
-        )
-        key = part.sharding
-        groups[key] = (
-            part
-            if key not in groups
-            else (torch.maximum(groups[key], part) if infinite else groups[key] + part)
-        )
-    mesh = present[0].device_mesh
-    replicated = [redistribute(v, (Replicate(),) * mesh.ndim) for v in groups.values()]
-    total = replicated[0]
-    for v in replicated[1:]:
-        total = torch.maximum(total, v) if infinite else total + v
-    if not infinite:
-        total = total ** (1.0 / norm_type)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    coefs = {g.dtype: coef.to(g.dtype) for g in present}
-    clipped = [None if g is None else g * coefs[g.dtype] for g in leaves]
+    with torch.no_grad():  # as torch's (the gradients are the step's data, not differentiated)
+        total = _total_norm(present, norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        backend = backend_of(total.device_mesh)
+        one = backend.replica(storage_of(coef))  # the same on every device: one device's copy
+        coefs = {g.dtype: one.to(g.dtype) for g in present}
+        clipped = [
+            None if g is None else new_value(storage_of(g) * coefs[g.dtype], g.sharding, g.shape)
+            for g in leaves
+        ]
     return optree.tree_unflatten(spec, clipped), total
+
+
+def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
+    """The global ``norm_type``-norm of ``grads``, a replicated scalar: per gradient, each
+    device's ``|g|**p`` summed (or ``max |g|``) over its block by plain torch on the storage; the
+    parts of gradients split over the same mesh axes added (or maxed) on each device, a Partial
+    value over those axes; each such value all-reduced. A Partial gradient is reduced first."""
+    infinite = math.isinf(norm_type)
+    mesh = grads[0].device_mesh
+    backend = backend_of(mesh)
+    lead = backend.block_dim(0)  # the storage's dims before a device's block
+    parts: dict = {}
+    for g in grads:
+        if g.sharding.has_partial:
+            g = redistribute(g, without_partial(g.sharding))
+        storage = storage_of(g)
+        dtype = storage.dtype if storage.dtype in (torch.float32, torch.float64) else torch.float32
+        flat = storage.reshape(*storage.shape[:lead], -1)
+        if flat.shape[-1] == 0:  # an empty shard
+            part = flat.new_zeros(flat.shape[:-1], dtype=dtype)
+        elif infinite:
+            part = flat.abs().amax(-1).to(dtype)
+        else:
+            part = (
+                flat.to(dtype).abs().pow(norm_type).sum(-1)
+                if norm_type != 2
+                else flat.to(dtype).square().sum(-1)
+            )
+        split = tuple([name for name, p in zip(mesh.axis_names, g.placements) if p.is_shard()])
+        if split in parts:
+            part = torch.maximum(parts[split], part) if infinite else parts[split] + part
+        parts[split] = part
+    reduce = Partial("max" if infinite else "sum")
+    total = None
+    for split, part in parts.items():
+        layout = Layout(mesh, tuple([reduce if n in split else Replicate() for n in mesh.axis_names]))
+        value = redistribute(new_value(part, layout, torch.Size(())), (Replicate(),) * mesh.ndim)
+        total = value if total is None else torch.maximum(total, value) if infinite else total + value
+    return total if infinite else total ** (1.0 / norm_type)

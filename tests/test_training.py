@@ -340,26 +340,50 @@ def test_optimizer_state_loads_onto_another_layout():
     assert b["w"].spec == fd.P(("y", "x"))
 
 
+def _clip_case(dtype):
+    """Gradients in several layouts: split over both axes, over both into uneven blocks (a device
+    with none), replicated, and a Partial sum (reduced before its norm)."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, dtype=dtype, generator=g) for s in ((6, 4), (5,), (4, 4), (3, 2))]
+    return tensors, [fd.P("x", "y"), fd.P(("x", "y")), fd.P(), fd.P()]
+
+
+def _job_clip(mesh, norm_type: float, dtype) -> dict:
+    tensors, specs = _clip_case(dtype)
+    grads = {f"g{i}": fd.distribute_tensor(t, mesh, s) for i, (t, s) in enumerate(zip(tensors, specs))}
+    last = len(tensors) - 1  # as a Partial sum: each device's part a quarter of it
+    grads[f"g{last}"] = fd.from_local(
+        tensors[last] / mesh.size, mesh, (fd.Partial(),) * mesh.ndim, shape=tensors[last].shape
+    )
+    with fd.CommDebugMode() as comm:
+        clipped, total = fd.clip_grad_norm(grads, 1.0, norm_type)
+    return {
+        "total": total.full_tensor(),
+        "clipped": {name: v.full_tensor() for name, v in clipped.items()},
+        "placements": {name: v.placements for name, v in clipped.items()},
+        "counts": comm.get_total_counts(),
+    }
+
+
+@pytest.mark.meshes((2, 2))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
-def test_clip_grad_norm_equals_torch(norm_type, dtype):
-    """In the gradients' dtype, as torch's: a float64 norm is not rounded to float32."""
-    torch.manual_seed(0)
-    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
-    tensors = [torch.randn(6, 4, dtype=dtype), torch.randn(5, dtype=dtype), torch.randn(4, 4, dtype=dtype)]
-    specs = [fd.P("x", "y"), fd.P(("x", "y")), fd.P()]
-    grads = {f"g{i}": fd.distribute_tensor(t, mesh, s) for i, (t, s) in enumerate(zip(tensors, specs))}
+def test_clip_grad_norm_equals_torch(backend, mesh, norm_type, dtype):
+    """The clipped gradients and the total norm are torch's, in the gradients' dtype (a float64
+    norm is not rounded to float32), with one all-reduce per set of axes the gradients are split
+    over (and the reduction of the Partial one)."""
+    tensors, _ = _clip_case(dtype)
     reference = [t.clone() for t in tensors]
     for t in reference:
         t.grad = t.clone()
     expected = torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type)
-    with fd.CommDebugMode() as comm:
-        clipped, total = fd.clip_grad_norm(grads, 1.0, norm_type)
-    assert total.dtype == expected.dtype == dtype
-    assert_close(total.full_tensor(), expected)
-    for i, t in enumerate(reference):
-        assert_close(clipped[f"g{i}"].full_tensor(), t.grad)
-    assert comm.get_total_counts() <= 2  # one reduction per distinct layout, not per gradient
+    for got in backend.run(_job_clip, mesh.shape, mesh.names, norm_type, dtype):
+        assert got["total"].dtype == expected.dtype == dtype
+        assert_close(got["total"], expected)
+        for i, t in enumerate(reference):
+            assert_close(got["clipped"][f"g{i}"], t.grad)
+        assert got["placements"]["g3"] == (fd.Partial(),) * 2  # clipped as given
+        assert got["counts"] <= 4  # the Partial's reduction, then per split axes: not per gradient
 
 
 # --- errors -----------------------------------------------------------------------------------
