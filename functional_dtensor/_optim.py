@@ -13,7 +13,7 @@ It is a ``torch.optim.Optimizer`` whose ``param_groups`` are those of the optimi
 ``step()`` sets ``param_groups[i]["lr"]``, which the next ``step(params, grads)`` uses.
 
 :func:`clip_grad_norm` scales gradients by their global norm (a reduction across shards: one
-all-reduce per distinct layout, not per parameter).
+all-reduce per set of mesh axes the gradients are split over, not per parameter).
 
 >>> import torch, functional_dtensor as fd
 >>> mesh = fd.simulated_mesh(2, "x")
@@ -37,7 +37,7 @@ import torch
 
 from ._backend import backend_of
 from ._dtensor import DTensor, new_value, storage_of, without_partial
-from ._errors import InputTypeError, LayoutError, ShapeError, explain
+from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
 from ._layout import Layout
 from ._placements import Partial, Replicate
 from ._public import public
@@ -402,6 +402,18 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
                 expected="some fd.DTensor",
                 got="none",
                 fix="pass the gradients torch.autograd.grad returned for the parameters",
+            )
+        )
+    mesh = present[0].device_mesh
+    other = next((g for g in present if g.device_mesh != mesh), None)
+    if other is not None:
+        raise MeshError(
+            explain(
+                f"{where}(grads)",
+                "one global norm is summed over one mesh's devices",
+                expected=f"every gradient on {mesh!r}",
+                got=f"a gradient on {other.device_mesh!r}",
+                fix="clip the gradients of each mesh apart, or redistribute them onto one mesh first",
             )
         )
     norm_type = float(norm_type)

@@ -430,6 +430,9 @@ def test_bad_optimizer_inputs_are_clear_errors():
         opt.step(params, {"w": torch.ones(4, 2)})
     with pytest.raises(fd.InputTypeError, match="fd.DTensor"):
         fd.clip_grad_norm({"w": torch.ones(2)}, 1.0)
+    elsewhere = fd.distribute_tensor(torch.ones(2), fd.simulated_mesh(2, "z"), fd.P())
+    with pytest.raises(fd.MeshError, match="every gradient on"):
+        fd.clip_grad_norm({"w": params["w"], "v": elsewhere}, 1.0)
 
 
 # --- checkpoints of a training run ------------------------------------------------------------
