@@ -107,6 +107,35 @@ class Backend:
             self.count("all_gather", axes, x, mesh.axis_size(axes))
         return self._kernels.all_gather(x, mesh, axes, dim, tiled)
 
+    # On blocks held once (simulated only: see held_plan), on their ``grid``, each distinct
+    # result once; the transposes count what the distributed backend's communicate.
+
+    def all_reduce_held(self, held, grid: tuple[int, ...], mesh: DeviceMesh, axes: tuple[str, ...]):
+        """A sum over ``axes``."""
+        self.count("all_reduce", axes, held, mesh.axis_size(axes))
+        return self._kernels.all_reduce_held(held, grid, mesh, axes, "sum")
+
+    def spread_held(self, held, grid: tuple[int, ...], mesh: DeviceMesh, axes: tuple[str, ...]):
+        """:meth:`all_reduce_held`'s transpose: each result for every part (no communication)."""
+        return self._kernels.spread_held(held, grid, mesh, axes)
+
+    def all_gather_held(self, held, grid: tuple[int, ...], mesh: DeviceMesh, axes: tuple[str, ...], dim: int):
+        """A tiled all-gather over one axis."""
+        self.count("all_gather", axes, held, mesh.axis_size(axes))
+        return self._kernels.all_gather_held(held, grid, mesh, axes, dim)
+
+    def slice_held(self, held, grid, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, summed: bool):
+        """:meth:`all_gather_held`'s transpose: each device's slice; ``summed``: of a cotangent
+        whose parts the distributed backend sums in a reduce-scatter (a varied value's)."""
+        if summed:
+            self.count("reduce_scatter", axes, held, mesh.axis_size(axes))
+        return self._kernels.slice_held(held, grid, mesh, axes, dim)
+
+    def count_held_psum(self, held, mesh: DeviceMesh, axes: tuple[str, ...]) -> None:
+        """Count the all-reduce of a held cotangent's parts that the distributed backend runs
+        (a held one is their sum already)."""
+        self.count("all_reduce", axes, held, mesh.axis_size(axes))
+
     def reduce_scatter(
         self, x, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool, *, counted=True
     ):
@@ -157,14 +186,15 @@ class Backend:
 
     # --- global ops' local forms -------------------------------------------------------------
 
-    def run_local(self, local, batched: str | None, func, args, kwargs, ctx, storages=None):
+    def run_local(self, local, batched: str | None, func, args, kwargs, ctx, storages=None, held=None):
         """An op's local form ``local(func, args, kwargs, ctx)`` -- plain torch on one device's
         block -- on this process's storage: on the distributed backend on this rank's shard; on
         the simulated one by its ``batched`` form on every device's block at once, or device by
         device (:mod:`._simulated.batched`). ``storages``: the inputs' storages among the
-        arguments, in the decision's order (None: every tensor among ``args``)."""
+        arguments, in the decision's order (None: every tensor among ``args``); ``held``: they
+        are blocks held once by this plan (``ctx.held``), and so is the output."""
         if self.stacked:
-            return simulated_batched.run_local(local, batched, func, args, kwargs, ctx, storages)
+            return simulated_batched.run_local(local, batched, func, args, kwargs, ctx, storages, held)
         if ctx.even:
             return local(func, args, kwargs, ctx)
         empty = any([isinstance(a, torch.Tensor) and not a.numel() for a in (*args, *kwargs.values())])
@@ -297,6 +327,23 @@ class Backend:
         """The storage, in the replicated ``layout``, of the value ``tensor`` computed once by
         this process for its devices (the inverse of :meth:`replica`)."""
         return self._storage.replicated(tensor, layout)
+
+    def held_plan(self, layout: Layout):
+        """How a value in ``layout`` is held once along its Replicate axes, one block per
+        distinct shard (see :mod:`._simulated.storage`): None where it is not (no axis of more
+        than one device replicates it; or the distributed backend, where a rank holds one
+        block anyway)."""
+        return self._storage.held_plan(layout) if self.stacked else None
+
+    def fold(self, storage: torch.Tensor, layout: Layout, plan, summed: tuple[int, ...] = ()) -> torch.Tensor:
+        """The held blocks of ``storage`` (by :meth:`held_plan`'s ``plan`` for ``layout``);
+        ``summed``: the mesh axes (positions) along which the value is varied (see
+        :mod:`._varied`): its held cotangent is the sum of the devices' parts there."""
+        return self._storage.fold(storage, layout, plan, summed)
+
+    def unfold(self, held: torch.Tensor, layout: Layout, summed: tuple[int, ...] = ()) -> torch.Tensor:
+        """Every device's block of a value held once (the inverse of :meth:`fold`)."""
+        return self._storage.unfold(held, layout, summed)
 
     def block_shape(self, storage: torch.Tensor) -> tuple[int, ...]:
         """The shape of one device's (padded) block in ``storage``."""

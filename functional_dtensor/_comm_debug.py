@@ -20,7 +20,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _comm_log as comm_log
-from ._dtensor import DTensor, storage_of
+from ._dtensor import DTensor, data_of
 from ._public import public
 
 __all__ = ["CommDebugMode"]
@@ -269,7 +269,7 @@ class CommDebugMode:
         tensors = []
         for leaf in torch.utils._pytree.tree_leaves(values):
             if isinstance(leaf, DTensor):
-                leaf = storage_of(leaf)
+                leaf = data_of(leaf)
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 tensors.append(leaf)
         if tensors:

@@ -35,7 +35,18 @@ from collections.abc import Sequence
 import torch
 
 from ._backend import backend_of
-from ._dtensor_core import DTensor, new_value, new_value_eager, parts_of, storage_of, with_grad_layout
+from ._dtensor_core import (
+    DTensor,
+    data_of,
+    held_of,
+    held_varied,
+    new_held,
+    new_value,
+    new_value_eager,
+    parts_of,
+    storage_of,
+    with_grad_layout,
+)
 from ._errors import InputTypeError, ShapeError, explain
 from ._global_storage import distribute_storage, gather_storage, without_partial
 from ._layout import PlacementsOrSpec
@@ -60,6 +71,10 @@ __all__ = [
     "new_value",
     "new_value_eager",
     "parts_of",
+    "new_held",
+    "held_of",
+    "data_of",
+    "held_varied",
 ]
 
 

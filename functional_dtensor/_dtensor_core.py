@@ -21,7 +21,18 @@ from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
 from ._spec import P
 
-__all__ = ["DTensor", "with_grad_layout", "storage_of", "parts_of", "new_value", "new_value_eager"]
+__all__ = [
+    "DTensor",
+    "with_grad_layout",
+    "storage_of",
+    "parts_of",
+    "new_value",
+    "new_value_eager",
+    "new_held",
+    "held_of",
+    "data_of",
+    "held_varied",
+]
 
 
 @public
@@ -30,17 +41,23 @@ class DTensor:
     :func:`from_local`, a factory such as :func:`zeros`, or as the output of
     :func:`shard_map`."""
 
-    __slots__ = ("_layout", "_shape", "_storage")
+    # ``_held``: on a simulated mesh, the blocks of a value held once along its Replicate axes
+    # (see ._simulated.storage), else None; ``_storage`` is then None until made from them,
+    # when first read (storage_of). ``_varied``: the axes such a value is varied over (see
+    # ._varied)
+    __slots__ = ("_layout", "_shape", "_storage", "_held", "_varied")
 
     _layout: Layout
     _shape: torch.Size
     _storage: torch.Tensor
+    _held: torch.Tensor | None
 
     def __init__(self, storage: torch.Tensor, layout: Layout, shape: Sequence[int]) -> None:
         """Internal: use :func:`distribute_tensor` or :func:`from_local`."""
         object.__setattr__(self, "_storage", storage)
         object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_shape", torch.Size(shape))
+        object.__setattr__(self, "_held", None)
 
     def __setattr__(self, name, value):
         raise ImmutableError(
@@ -92,7 +109,7 @@ class DTensor:
     def __getstate__(self) -> dict:
         """What pickle, ``copy.deepcopy`` and ``torch.save`` keep: the layout, the global shape
         and the shards this process holds (see :meth:`Backend.saved`)."""
-        if is_transformed(self._storage) or torch.compiler.is_compiling():
+        if is_transformed(storage_of(self)) or torch.compiler.is_compiling():
             raise InputTypeError(
                 explain(
                     "fd.DTensor (saving)",
@@ -102,12 +119,12 @@ class DTensor:
                     fix="save the value the transformed function returns, outside the transform",
                 )
             )
-        storage, device = backend_of(self.device_mesh).saved(self._storage, self._layout)
+        storage, device = backend_of(self.device_mesh).saved(storage_of(self), self._layout)
         return {
             "layout": self._layout,
             "shape": tuple(self._shape),
             "storage": storage,
-            "requires_grad": self._storage.requires_grad,
+            "requires_grad": storage_of(self).requires_grad,
             "device": device,
         }
 
@@ -117,6 +134,7 @@ class DTensor:
         object.__setattr__(self, "_storage", storage.requires_grad_(state["requires_grad"]))
         object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_shape", torch.Size(shape))
+        object.__setattr__(self, "_held", None)
 
     @property
     def shape(self) -> torch.Size:
@@ -132,17 +150,24 @@ class DTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._storage.dtype
+        return self._data.dtype
 
     @property
     def requires_grad(self) -> bool:
-        return self._storage.requires_grad
+        return self._data.requires_grad
+
+    @property
+    def _data(self) -> torch.Tensor:
+        """A tensor of the value's dtype, device and autograd state: the held blocks or the
+        storage."""
+        held = self._held
+        return self._storage if held is None else held
 
     @property
     def is_meta(self) -> bool:
         """Whether this is a meta value: shapes, dtype and layout, with no memory (factories
         with ``device="meta"``); its shards, global value and redistributions are meta too."""
-        return self._storage.is_meta
+        return self._data.is_meta
 
     @property
     def grad(self) -> DTensor | None:
@@ -150,7 +175,9 @@ class DTensor:
         value (Partial axes as Replicate), or ``None``. Storage is a leaf when the value was
         made by a factory with ``requires_grad=True`` or loaded with it; a value made from
         tensors (:func:`distribute_tensor`, :func:`from_local`) passes gradients to them."""
-        grad = self._storage.grad
+        grad = self._data.grad
+        if grad is not None and self._held is not None:  # the gradient of the blocks held once
+            grad = backend_of(self._layout.mesh).unfold(grad, self._layout)
         return None if grad is None else DTensor(grad, without_partial(self._layout), self._shape)
 
     @property
@@ -180,7 +207,7 @@ class DTensor:
     def local_shards(self) -> tuple[torch.Tensor, ...]:
         """The shards this process holds, unpadded: on the simulated backend one per device, in
         flat (row-major) mesh order; on the distributed backend, this rank's alone."""
-        return backend_of(self.device_mesh).shards(self._storage, self._layout, tuple(self._shape))
+        return backend_of(self.device_mesh).shards(storage_of(self), self._layout, tuple(self._shape))
 
     def to_local(
         self, device: int | Sequence[int] | None = None, *, grad_placements: PlacementsOrSpec | None = None
@@ -206,7 +233,7 @@ class DTensor:
             if grad_placements is None
             else with_grad_layout(self, grad_placements, "fd.DTensor.to_local")
         )
-        return backend_of(self.device_mesh).shard(value._storage, self._layout, tuple(self._shape), device)
+        return backend_of(self.device_mesh).shard(storage_of(value), self._layout, tuple(self._shape), device)
 
     def full_tensor(self, *, grad_placements: PlacementsOrSpec | None = None) -> torch.Tensor:
         """The global value on every device (Partial axes reduced). Differentiable.
@@ -220,15 +247,15 @@ class DTensor:
         every device.
         """
         shape = tuple(self._shape)
-        if not self._storage.is_meta:  # a meta value's global value moves nothing
-            backend_of(self._layout.mesh).count_gather(self._layout, shape, self._storage.element_size())
+        if not storage_of(self).is_meta:  # a meta value's global value moves nothing
+            backend_of(self._layout.mesh).count_gather(self._layout, shape, storage_of(self).element_size())
         if grad_placements is None:
-            return _unaliased(gather_storage(self._storage, self._layout, shape), self._storage)
+            return _unaliased(gather_storage(storage_of(self), self._layout, shape), storage_of(self))
         mesh = self.device_mesh
         replicated = Layout(mesh, (Replicate(),) * mesh.ndim)
         grad = self._grad_layout(grad_placements, "fd.DTensor.full_tensor", expected=replicated)
-        out = autograd.apply(_FullTensorWithGrad, self._storage, self._layout, grad, shape)
-        return _unaliased(out, self._storage)
+        out = autograd.apply(_FullTensorWithGrad, storage_of(self), self._layout, grad, shape)
+        return _unaliased(out, storage_of(self))
 
     def _grad_layout(
         self,
@@ -297,13 +324,24 @@ def with_grad_layout(
     grad = x._grad_layout(grad_placements, api, expected=target, argument=argument)
     if grad == target:
         return x
-    storage = autograd.apply(_GradLayout, x._storage, grad, target, tuple(x._shape))
+    storage = autograd.apply(_GradLayout, storage_of(x), grad, target, tuple(x._shape))
     return DTensor(storage, x._layout, x._shape)
 
 
 def storage_of(x: DTensor) -> torch.Tensor:
-    """The backend's storage of ``x`` (for the transformations above this module)."""
-    return x._storage
+    """The backend's storage of ``x`` (for the transformations above this module); that of a
+    value held once is made from its blocks when first read, and kept."""
+    storage = x._storage
+    return _made_from_blocks(x) if storage is None else storage
+
+
+def _made_from_blocks(x: DTensor) -> torch.Tensor:
+    layout, varied = x._layout, x._varied
+    summed = tuple([a for a, name in enumerate(layout.mesh.axis_names) if name in varied])
+    storage = backend_of(layout.mesh).unfold(x._held, layout, summed)
+    if not torch.compiler.is_compiling():  # (a compiled graph makes it again)
+        object.__setattr__(x, "_storage", storage)
+    return storage
 
 
 #: ``parts_of(x)``: ``x``'s storage, layout and global shape, in one C call (the global ops'
@@ -317,7 +355,37 @@ def new_value(storage: torch.Tensor, layout: Layout, shape: torch.Size) -> DTens
     object.__setattr__(value, "_storage", storage)
     object.__setattr__(value, "_layout", layout)
     object.__setattr__(value, "_shape", shape)
+    object.__setattr__(value, "_held", None)
     return value
+
+
+def new_held(held: torch.Tensor, layout: Layout, shape: torch.Size, varied: frozenset = frozenset()) -> DTensor:
+    """A value from its blocks held once (see :meth:`.Backend.held_plan`), varied over the
+    axes named in ``varied`` (see :mod:`._varied`: its held cotangent is the sum of the
+    devices' parts there); its storage is made when first read."""
+    value = object.__new__(DTensor)
+    object.__setattr__(value, "_storage", None)
+    object.__setattr__(value, "_held", held)
+    object.__setattr__(value, "_varied", varied)
+    object.__setattr__(value, "_layout", layout)
+    object.__setattr__(value, "_shape", shape)
+    return value
+
+
+def held_varied(x: DTensor) -> frozenset:
+    """The axes a value held once is varied over."""
+    return x._varied
+
+
+def held_of(x: DTensor) -> torch.Tensor | None:
+    """``x``'s blocks held once, or None (for the global ops and redistribute)."""
+    return x._held
+
+
+def data_of(x: DTensor) -> torch.Tensor:
+    """A tensor of ``x``'s dtype, device and autograd state, made for nothing: its blocks held
+    once, or its storage."""
+    return x._data
 
 
 def new_value_eager(storage: torch.Tensor, layout: Layout, shape: torch.Size) -> DTensor:
@@ -327,6 +395,7 @@ def new_value_eager(storage: torch.Tensor, layout: Layout, shape: torch.Size) ->
     _set_storage(value, storage)
     _set_layout(value, layout)
     _set_shape(value, shape)
+    _set_held(value, None)
     return value
 
 
@@ -334,6 +403,7 @@ _new_object = object.__new__
 _set_storage = DTensor._storage.__set__
 _set_layout = DTensor._layout.__set__
 _set_shape = DTensor._shape.__set__
+_set_held = DTensor._held.__set__
 
 
 @autograd.compilable

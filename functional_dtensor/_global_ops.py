@@ -20,6 +20,7 @@ shapes, dtypes, the op's other arguments), so a repeated call costs a lookup and
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import NamedTuple
 
@@ -32,8 +33,20 @@ from . import _log as log
 from . import _varied as varied
 from ._cache import Bounded
 from ._collectives import Pvary, on_storage
-from ._dtensor import DTensor, distribute_tensor, new_value, new_value_eager, parts_of, storage_of
+from ._dtensor import (
+    DTensor,
+    data_of,
+    distribute_tensor,
+    held_of,
+    new_held,
+    new_value,
+    new_value_eager,
+    parts_of,
+    storage_of,
+)
 from ._errors import FunctionalDTensorError, InputTypeError, explain
+from ._functorch import is_transformed
+from ._layout import Layout
 from ._op_decisions import (
     FUNC_IDS,
     HANDLERS,
@@ -117,10 +130,15 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
     # the common case, flat arguments: one pass checks them, builds the key and the local arguments
     key = [func]
     local = []
+    held = False
     for value in args:
         kind = type(value)
         if kind is DTensor:
-            storage, layout, shape = parts_of(value)
+            storage = held_of(value)
+            if storage is None:
+                storage, layout, shape = parts_of(value)
+            else:  # held once (see _held_locals)
+                layout, shape, held = value.sharding, value.shape, True
             key += (layout, shape, storage.dtype)
             local.append(storage)
         elif kind in _FLAT or kind is tuple and all([type(n) is int for n in value]):
@@ -142,15 +160,44 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
     ):
         return _dispatch_tree(func, handler, args, {})
     ctx = decision.context
+    plan = None
+    if held:
+        local = _held_locals(args, local, ctx)
+        if local is None:
+            return _dispatch_tree(func, handler, args, {})
+        plan = ctx.held
     try:
-        out = ctx.backend.run_local(handler.local, handler.batched, func, local, {}, ctx)
+        out = ctx.backend.run_local(handler.local, handler.batched, func, local, {}, ctx, None, plan)
     except FunctionalDTensorError:
         raise
     except _TORCH_ERRORS as error:
         raise _failed(handler.name, error) from error
+    if plan is not None:
+        return _wrap(out, decision, new_held)
     if type(out) is torch.Tensor:  # one output: the value
         return new_value_eager(out, decision.output, decision.out_shapes[0])
     return _wrap(out, decision)
+
+
+def _held_locals(args, local: list, ctx) -> list | None:
+    """The local arguments of an op with inputs held once, on held blocks: the inputs' own,
+    stacked ones folded (see :meth:`.Backend.held_plan`). None where the output is not held
+    or an input's blocks are held along other axes too (or a transform's: see _holds)."""
+    plan = ctx.held
+    if plan is None:
+        return None
+    out, i = [], 0
+    for value, storage in zip(args, local):
+        if type(value) is DTensor:
+            if held_of(value) is None:
+                if is_transformed(storage):
+                    return None
+                storage = ctx.backend.fold(storage, ctx.decision.inputs[i], plan)
+            elif not ctx.held_fits[i]:
+                return None
+            i += 1
+        out.append(storage)
+    return out
 
 
 #: what torch raises for a dtype or a value an op does not take (meta kernels, which decide the
@@ -247,10 +294,10 @@ def _replicated(func, args, kwargs):
     return fallback.run_replicated(func, tensors, leaves, tree, unsupported, _failed)
 
 
-def _wrap(out, decision: Decision):
+def _wrap(out, decision: Decision, new=new_value):
     if type(out) is torch.Tensor:
-        return new_value(out, decision.output, decision.out_shapes[0])
-    values = [new_value(o, decision.output, shape) for o, shape in zip(out, decision.out_shapes)]
+        return new(out, decision.output, decision.out_shapes[0])
+    values = [new(o, decision.output, shape) for o, shape in zip(out, decision.out_shapes)]
     return type(out)(*values) if hasattr(out, "_fields") else type(out)(values)
 
 
@@ -348,7 +395,7 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
         key = [func] if flat and not names else [func, names] if flat else [func, tree]
         for value in leaves:
             if type(value) is DTensor:
-                key += (value.sharding, value.shape, storage_of(value).dtype)
+                key += (value.sharding, value.shape, data_of(value).dtype)
             elif not handler.by_value and type(value) in _NUMBERS:
                 key.append(type(value))
             else:
@@ -363,16 +410,17 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
             if log.rules.isEnabledFor(logging.INFO):
                 log_decision(handler.name, tensors, decision)
     grad = torch.is_grad_enabled()
-    storages = []
-    out_varied = frozenset()
+    held = decision.context.held
+    if held is not None and (compiling or not _holds(tensors)):
+        held = None
     if _VARIED and grad:
-        storages, out_varied = _varied_inputs(tensors, decision)
+        storages, out_varied = _varied_inputs(tensors, decision, held)
     else:
-        for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary):
-            storage = storage_of(t if fits else redistribute(t, layout))
-            if axes and grad and storage.requires_grad:
-                storage = on_storage(storage, decision.output.mesh, Pvary, axes)
-            storages.append(storage)
+        out_varied = frozenset()
+        storages = [
+            _input(t, fits, layout, axes, grad, held, decision)
+            for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary)
+        ]
     feed = iter(storages)
     if tree is None:
         local = [next(feed) if type(v) is DTensor else v for v in leaves]
@@ -385,12 +433,14 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     try:
         ctx = decision.context
         out = ctx.backend.run_local(
-            handler.local, handler.batched, func, local_args, local_kwargs, ctx, storages
+            handler.local, handler.batched, func, local_args, local_kwargs, ctx, storages, held
         )
     except FunctionalDTensorError:
         raise
     except _TORCH_ERRORS as error:
         raise _failed(handler.name, error) from error
+    if held is not None:
+        return _wrap(out, decision, functools.partial(new_held, varied=out_varied))
     out = _wrap(out, decision)
     if out_varied:
         for value in out if isinstance(out, (tuple, list)) else (out,):
@@ -398,24 +448,68 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     return out
 
 
-def _varied_inputs(tensors: list[DTensor], decision: Decision) -> tuple[list[torch.Tensor], frozenset]:
+def _holds(tensors: list[DTensor]) -> bool:
+    """Whether an op whose output can be held once runs on held blocks: where some input is
+    held already (an op on stacked inputs stays on them: a value held along some axes and
+    split along others takes a copy per device to become stacked storage again, and a view of
+    stacked storage takes none), and not on a ``torch.func`` transform's values."""
+    held = False
+    for t in tensors:
+        if held_of(t) is not None:
+            held = True
+        elif is_transformed(storage_of(t)):
+            return False
+    return held
+
+
+def _input(t: DTensor, fits: bool, layout: Layout, axes, grad: bool, held, decision: Decision):
+    """An input's storage for the local form: ``t`` in the decision's ``layout``, through
+    ``pvary`` over ``axes`` where it needs a gradient; with a ``held`` plan, its blocks held
+    once (see :meth:`.Backend.held_plan`)."""
+    if held is not None and fits and not axes and held_of(t) is not None:
+        if decision.context.backend.held_plan(layout) == held:
+            return held_of(t)
+    storage = storage_of(t if fits else redistribute(t, layout))
+    if axes and grad and storage.requires_grad:
+        storage = on_storage(storage, decision.output.mesh, Pvary, axes)
+    return storage if held is None else decision.context.backend.fold(storage, layout, held)
+
+
+def _varied_inputs(tensors: list[DTensor], decision: Decision, held):
     """The inputs' storages where some are varied (see :mod:`._varied`), and the axes the
     output is varied over: no ``pvary`` over an input's varied axes; where the output is
     replicated over an axis an input is varied over, the output is varied there too and every
-    other input needing a gradient gets ``pvary`` there."""
+    other input needing a gradient gets ``pvary`` there. With a ``held`` plan, the storages
+    are held blocks, whose ``pvary`` along its axes sums nothing (a held cotangent is the sum
+    of the devices' parts already: :func:`._varied.pvaried_held`)."""
     mesh = decision.output.mesh
     replicated = {n for n, p in zip(mesh.axis_names, decision.output.placements) if p.is_replicate()}
     entries = []
     for t, fits, layout in zip(tensors, decision.fits, decision.inputs):
+        if fits and held_of(t) is not None:
+            entries.append((t, varied.axes_of_value(t)))
+            continue
         storage = storage_of(t if fits else redistribute(t, layout))  # redistribute keeps marks
         entries.append((storage, varied.axes_of(storage)))
     out_varied = frozenset().union(*(axes for _, axes in entries)) & replicated
+    backend = decision.context.backend
+    along = frozenset() if held is None else frozenset([mesh.axis_names[a] for a in held.axes])
     storages = []
-    for (storage, axes), needed in zip(entries, decision.pvary):
+    for (value, axes), needed, layout in zip(entries, decision.pvary, decision.inputs):
         need = (set(needed) | out_varied) - axes
-        if need and storage.requires_grad:  # once per value and axes: its uses' gradients summed first
-            storage = varied.pvaried(storage, mesh, tuple(n for n in mesh.axis_names if n in need))
-        storages.append(storage)
+        if type(value) is DTensor and (held is None or need - along or backend.held_plan(layout) != held):
+            value = varied.marked_storage(value)  # held once, needed stacked
+        if type(value) is DTensor:
+            value = held_of(value)
+        else:
+            if need - along and value.requires_grad:  # once per value and axes: its uses' gradients summed first
+                value = varied.pvaried(value, mesh, tuple(n for n in mesh.axis_names if n in need - along))
+            if held is not None:
+                summed = tuple([a for a in held.axes if mesh.axis_names[a] in axes])
+                value = backend.fold(value, layout, held, summed)
+        if need & along and value.requires_grad:
+            value = varied.pvaried_held(value, mesh, tuple(n for n in mesh.axis_names if n in need & along))
+        storages.append(value)
     return storages, out_varied
 
 

@@ -11,7 +11,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -144,13 +144,18 @@ class Context(NamedTuple):
     """What a local form knows: the decision; whether some input has fewer dims than the
     output; whether every input's and output's blocks are of one size (no device's shorter);
     the device whose block it runs on (None: every device's at once, in a batched form); the
-    backend that runs it."""
+    backend that runs it; how the output is held once along its Replicate axes, where every
+    input is replicated along them too (the op then runs once per distinct block: see
+    :meth:`.Backend.held_plan`), else None; and for each input, whether its own blocks held
+    once are held that way (replicated over no other axis)."""
 
     decision: Decision
     align: bool
     even: bool
     device: int | None
     backend: Backend
+    held: Any = None
+    held_fits: tuple[bool, ...] = ()
 
 
 def _steps(source: Layout, target: Layout, shape, dtype: torch.dtype) -> tuple[tuple[Step, ...], Fraction]:
@@ -264,12 +269,20 @@ def _context(decision: Decision) -> Context:
     even = all(shard_table(layout, tuple(s)).is_even for layout, s in zip(decision.inputs, shapes))
     even = even and all(shard_table(decision.output, tuple(s)).is_even for s in out_shapes)
     backend = backend_of(decision.output.mesh)
+    held = backend.held_plan(decision.output)
+    if held is not None and not all(
+        [isinstance(layout.placements[a], Replicate) for layout in decision.inputs for a in held.axes]
+    ):
+        held = None
+    fits = () if held is None else tuple([backend.held_plan(layout) == held for layout in decision.inputs])
     return Context(
         decision=decision,
         align=any(len(s) < len(out_shapes[0]) for s in shapes),
         even=even,
         device=backend.device_index(decision.output.mesh),
         backend=backend,
+        held=held,
+        held_fits=fits,
     )
 
 

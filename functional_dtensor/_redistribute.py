@@ -28,11 +28,22 @@ from . import _log as log
 from . import _varied as varied
 from ._backend import backend_of
 from ._cache import Bounded, Numbered, cached
-from ._dtensor import DTensor, check_partial_dtype, layout_for, storage_of, without_partial
+from ._dtensor import (
+    DTensor,
+    check_partial_dtype,
+    data_of,
+    held_of,
+    layout_for,
+    new_held,
+    storage_of,
+    without_partial,
+)
 from ._errors import InputTypeError, MeshError, explain
+from ._functorch import is_transformed
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 from ._placements import Partial, Replicate, Shard
+from ._sharding import shard_table
 from ._plan import (
     AllGather,
     AllReduce,
@@ -74,17 +85,18 @@ def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
         return x
     if target.has_partial:
         check_partial_dtype(target, x.dtype, "fd.redistribute(placements)")
-    storage = storage_of(x)
-    axes = varied.axes_of(storage) if varied.TABLE else frozenset()
-    if not axes:
-        return _moved(x, target)
+    axes = varied.axes_of_value(x)
     # a data-parallel parameter in a sharded forward (see ._varied): it stays varied where its
     # axes keep their placements, and is made invariant first where they change
     mesh = x.device_mesh
     if any(a != b and n in axes for n, a, b in zip(mesh.axis_names, x.placements, target.placements)):
-        return _moved(DTensor(varied.invariant(storage, mesh), x.sharding, x.shape), target)
+        return redistribute(varied.invariant_value(x), target)
+    held = _held_moved(x, target, axes)
+    if held is not None:
+        return held
     out = _moved(x, target)
-    varied.mark(storage_of(out), axes)
+    if axes:
+        varied.mark(storage_of(out), axes)
     return out
 
 
@@ -99,6 +111,158 @@ def _moved(x: DTensor, target: Layout) -> DTensor:
     return DTensor(storage, target, x.shape)
 
 
+def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DTensor | None:
+    """On a simulated mesh, ``x`` in ``target`` held once along its Replicate axes (see
+    :meth:`.Backend.held_plan`), where one all-reduce (a sum: a mean's parts take the whole
+    cotangent, as a Partial value's, not its share) or one all-gather over one axis of even
+    blocks moves it (:func:`_held_move`): each distinct result computed and written once, not
+    once per device. The gradients are the transposes, counted as the distributed backend's
+    communicate (:class:`_HeldAllReduce`, :class:`_HeldAllGather`). The result is varied over
+    ``axes`` (see :mod:`._varied`). None where it does not apply."""
+    if torch.compiler.is_compiling():
+        return None
+    data, source, shape = data_of(x), x.sharding, x.shape
+    integral = not (data.is_floating_point() or data.is_complex())
+    move = _held_move(source, target, tuple(shape), data.element_size(), integral)
+    if move is None or data.is_meta or is_transformed(data):
+        return None
+    step, source_plan, grid = move
+    if log.plans.isEnabledFor(logging.INFO):  # the plan and the gradient's way back, as _moved logs them
+        back_source, back_target, same = _back(source, target)
+        _steps(source, target, tuple(shape), data)
+        if not same:
+            _steps(back_source, back_target, tuple(shape), data, True)
+    mesh = target.mesh
+    held = held_of(x)
+    if held is None:
+        held = storage_of(x)
+        if source_plan is not None:
+            summed = tuple([a for a in source_plan.axes if mesh.axis_names[a] in axes])
+            held = backend_of(mesh).fold(held, source, source_plan, summed)
+    if isinstance(step, AllReduce):
+        out = autograd.apply(_HeldAllReduce, held, grid, mesh, step.names)
+    else:
+        dim, summed = source.placements[step.axes[0]].dim, step.names[0] in axes
+        out = autograd.apply(_HeldAllGather, held, grid, mesh, step.names, dim, summed)
+    return new_held(varied.mark(out, axes), target, shape, frozenset(axes))
+
+
+@cached(1024)
+def _held_move(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool):
+    """The one step that moves a value from ``source`` to ``target`` held once, the plan of
+    the source's held blocks and their grid; None where :func:`_held_moved` does not apply."""
+    backend = backend_of(target.mesh)
+    if backend.held_plan(target) is None:
+        return None
+    steps = _eager_steps(source, target, shape, itemsize, integral)
+    if len(steps) != 1:
+        return None
+    (step,) = steps
+    if isinstance(step, AllReduce):
+        if step.op != "sum" or integral:
+            return None
+    elif not (
+        isinstance(step, AllGather)
+        and len(step.axes) == 1
+        and shard_table(source, shape).is_even
+        and shard_table(target, shape).is_even
+    ):
+        return None
+    source_plan = backend.held_plan(source)
+    return step, source_plan, source.mesh.shape if source_plan is None else source_plan.grid
+
+
+# The held moves, as autograd functions: each pair is the other's derivative, to every order,
+# and counts what the distributed backend's redistribute and its transposes communicate.
+
+
+@autograd.compilable
+class _HeldAllReduce(torch.autograd.Function):
+    """A Partial sum made Replicate on held blocks. Backward: :class:`_HeldSpread` (the whole
+    cotangent for every part: no communication, as the distributed backend's)."""
+
+    @staticmethod
+    def forward(held, grid, mesh, names):
+        return backend_of(mesh).all_reduce_held(held, grid, mesh, names)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, g):
+        return autograd.apply(_HeldSpread, g, *ctx.args), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return autograd.apply(_HeldAllReduce, t, *ctx.args)
+
+
+@autograd.compilable
+class _HeldSpread(torch.autograd.Function):
+    """:class:`_HeldAllReduce`'s transpose. Backward: :class:`_HeldAllReduce`."""
+
+    @staticmethod
+    def forward(held, grid, mesh, names):
+        return backend_of(mesh).spread_held(held, grid, mesh, names)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, g):
+        return autograd.apply(_HeldAllReduce, g, *ctx.args), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return autograd.apply(_HeldSpread, t, *ctx.args)
+
+
+@autograd.compilable
+class _HeldAllGather(torch.autograd.Function):
+    """Shards made Replicate over one axis, on held blocks. Backward: :class:`_HeldSlice`
+    (each device's slice; ``summed``, of a varied value, counted as the reduce-scatter of the
+    parts the distributed backend runs)."""
+
+    @staticmethod
+    def forward(held, grid, mesh, names, dim, summed):
+        return backend_of(mesh).all_gather_held(held, grid, mesh, names, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, g):
+        return autograd.apply(_HeldSlice, g, *ctx.args), None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return autograd.apply(_HeldAllGather, t, *ctx.args)
+
+
+@autograd.compilable
+class _HeldSlice(torch.autograd.Function):
+    """:class:`_HeldAllGather`'s transpose. Backward: :class:`_HeldAllGather`."""
+
+    @staticmethod
+    def forward(held, grid, mesh, names, dim, summed):
+        return backend_of(mesh).slice_held(held, grid, mesh, names, dim, summed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, g):
+        return autograd.apply(_HeldAllGather, g, *ctx.args), None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return autograd.apply(_HeldSlice, t, *ctx.args)
+
+
 def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...]) -> DTensor:
     """``x`` gathered to ``placements`` over the mesh ``axes`` (where it is sharded), varied
     over them (see :mod:`._varied`): the gradient comes back as each device's part and the
@@ -106,6 +270,9 @@ def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...
     parameter in a sharded forward."""
     mesh = x.device_mesh
     target = layout_for(mesh, placements, x.ndim, "fd.redistribute")
+    held = _held_moved(x, target, frozenset([*axes, *varied.axes_of_value(x)]))
+    if held is not None:
+        return held
     storage, shape = storage_of(x), tuple(x.shape)
     parts = Layout(
         mesh,

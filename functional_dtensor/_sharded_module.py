@@ -369,8 +369,8 @@ class _Apply:
         return dict(self._buffers)
 
     def _invariant(self, value):
-        if isinstance(value, DTensor) and varied.axes_of(storage_of(value)):
-            return new_value(varied.invariant(storage_of(value), self._mesh), value.sharding, value.shape)
+        if isinstance(value, DTensor) and varied.axes_of_value(value):
+            return varied.invariant_value(value)
         return value
 
     def _check(self, params) -> None:

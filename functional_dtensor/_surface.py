@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ._dtensor import DTensor, from_local, storage_of
+from ._dtensor import DTensor, data_of, from_local
 from ._errors import InputTypeError, UnsupportedAttributeError, explain
 from ._global_ops import dispatch
 from ._op_decisions import resolved
@@ -222,11 +222,11 @@ def install() -> None:
     DTensor.dim = lambda self: len(self.shape)
     DTensor.ndimension = DTensor.dim
     DTensor.element_size = lambda self: self.dtype.itemsize
-    DTensor.device = property(lambda self: storage_of(self).device)
+    DTensor.device = property(lambda self: data_of(self).device)
     DTensor.is_floating_point = lambda self: self.dtype.is_floating_point
     DTensor.is_complex = lambda self: self.dtype.is_complex
     DTensor.is_signed = lambda self: self.dtype.is_signed
-    DTensor.get_device = lambda self: storage_of(self).get_device()
+    DTensor.get_device = lambda self: data_of(self).get_device()
     DTensor.backward = _backward
     DTensor.item = _item
     DTensor.tolist = lambda self: self.full_tensor().tolist()

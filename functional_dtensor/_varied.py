@@ -26,9 +26,10 @@ import torch
 from . import _autograd as autograd
 from ._backend import backend_of
 from ._collectives import AllReduce, Pvary, SplitCotangent, on_storage
+from ._dtensor import DTensor, held_of, held_varied, new_held, storage_of
 from ._mesh import DeviceMesh
 
-__all__ = ["TABLE", "PVARIED", "axes_of", "mark", "pvaried", "scope", "invariant", "vary_all"]
+__all__ = ["TABLE", "PVARIED", "axes_of", "axes_of_value", "marked_storage", "invariant_value", "pvaried_held", "mark", "pvaried", "scope", "invariant", "vary_all"]
 
 #: id(storage) (a fresh negative key while compiling) -> (storage, the axes it is varied
 #: over), while a forward runs
@@ -64,6 +65,86 @@ def pvaried(storage: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> t
     out = on_storage(storage, mesh, Pvary, axes)
     PVARIED[_key(storage, PVARIED), axes] = (storage, out)
     return out
+
+
+def pvaried_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
+    """Held blocks (see :meth:`.Backend.held_plan`) through ``pvary`` over ``axes``, along
+    which they are held, once per forward: a held cotangent is the sum of the devices' parts
+    already, so nothing is summed; the all-reduce the distributed backend runs is counted."""
+    key = (-1 - len(PVARIED) if torch.compiler.is_compiling() else id(held), (*axes, "held"))
+    entry = PVARIED.get(key)
+    if entry is not None and entry[0] is held:
+        return entry[1]
+    out = autograd.apply(_HeldPvary, held, mesh, axes)
+    PVARIED[key] = (held, out)
+    return out
+
+
+@autograd.compilable
+class _HeldPvary(torch.autograd.Function):
+    """Identity; backward: :class:`_HeldPsum`."""
+
+    @staticmethod
+    def forward(held, mesh, axes):
+        return held.view_as(held)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.axes = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return autograd.apply(_HeldPsum, g, ctx.mesh, ctx.axes), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _mesh, _axes):
+        return t.view_as(t)
+
+
+@autograd.compilable
+class _HeldPsum(torch.autograd.Function):
+    """Identity, counted as the all-reduce of the parts; backward: :class:`_HeldPvary`."""
+
+    @staticmethod
+    def forward(held, mesh, axes):
+        backend_of(mesh).count_held_psum(held, mesh, axes)
+        return held.view_as(held)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.axes = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return autograd.apply(_HeldPvary, g, ctx.mesh, ctx.axes), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _mesh, _axes):
+        return autograd.apply(_HeldPsum, t, ctx.mesh, ctx.axes)
+
+
+def axes_of_value(x: DTensor) -> frozenset[str]:
+    """The axes the value ``x`` is varied over (a value held once keeps its own)."""
+    if held_of(x) is not None:
+        return held_varied(x)
+    return axes_of(storage_of(x)) if TABLE else frozenset()
+
+
+def marked_storage(x: DTensor) -> torch.Tensor:
+    """``x``'s storage, marked as varied where ``x`` is a value held once and varied (made
+    from its blocks, it is varied as they are)."""
+    storage = storage_of(x)
+    if held_of(x) is not None and held_varied(x) and not axes_of(storage):
+        mark(storage, held_varied(x))
+    return storage
+
+
+def invariant_value(x: DTensor) -> DTensor:
+    """``x`` no longer varied (see :func:`invariant`). A value held once is the same blocks:
+    its held cotangent is the sum of the devices' parts, that is the whole cotangent."""
+    if held_of(x) is not None:
+        return new_held(held_of(x), x.sharding, x.shape)
+    return DTensor(invariant(marked_storage(x), x.device_mesh), x.sharding, x.shape)
 
 
 def axes_of(storage: torch.Tensor) -> frozenset[str]:

@@ -33,6 +33,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
+from functional_dtensor._dtensor import held_of
 from functional_dtensor._sharding import shard_table
 from functional_dtensor.testing import strategies as fds
 
@@ -479,12 +480,13 @@ def _scale(shapes_) -> float:
     return float(max([math.prod(s) for s in shapes_] + [1]))
 
 
-def run_op(op: Op, mesh, layouts, xs, params, grad: bool, what: str) -> None:
+def run_op(op: Op, mesh, layouts, xs, params, grad: bool, what: str, held: bool = False) -> None:
     """``op`` on fd.DTensors of ``layouts`` against ``op`` on ``xs``: values, and the gradient
-    for floating dtypes where asked."""
+    for floating dtypes where asked. ``held``: inputs replicated over an axis are made by an
+    all-reduce into it, so that a simulated mesh holds them once (see test_held_once.py)."""
     leaves = [x.detach().requires_grad_() if grad else x for x in xs]
     try:
-        inputs = [fd.distribute_tensor(t, mesh, lay) for t, lay in zip(leaves, layouts)]
+        inputs = [(_held if held else fd.distribute_tensor)(t, mesh, lay) for t, lay in zip(leaves, layouts)]
     except fd.LayoutError:  # a Partial reduction the dtype lacks (test_fuzz_redistribute)
         return
     # the reference of values: the op on the inputs' global values as the library holds them (a
@@ -549,6 +551,38 @@ def test_fuzz_global_ops(op, mesh, dtypes_, seed, forms, data):
     grad = op.smooth and all(differentiable(x.dtype) for x in xs) and data.draw(st.booleans(), "grad")
     what = f"{op.name}{tuple(params)} on {[str(lay) for lay in layouts]} {operand_shapes_} {dtypes_}"
     run_op(op, mesh, layouts, xs, params, grad, what)
+
+
+def _held(t: torch.Tensor, mesh, layout: fd.Layout) -> fd.DTensor:
+    """``t`` in ``layout``, made by summing parts over its first Replicate axis of more than
+    one device (held once there on a simulated mesh, for floating dtypes)."""
+    axes = [a for a, (p, n) in enumerate(zip(layout.placements, mesh.shape)) if p.is_replicate() and n > 1]
+    if not axes:
+        return fd.distribute_tensor(t, mesh, layout)
+    parts = list(layout.placements)
+    parts[axes[0]] = fd.Partial()
+    value = fd.distribute_tensor(t, mesh, fd.Layout(mesh, tuple(parts), layout.shard_order)).redistribute(layout)
+    event(f"held once: {held_of(value) is not None}")
+    return value
+
+
+@fuzz(
+    op=st.sampled_from(OPS),
+    mesh=meshes(max_devices=16),
+    dtype=dtypes,
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_fuzz_global_ops_on_held_values(op, mesh, dtype, seed, data):
+    """The ops of :func:`test_fuzz_global_ops` on values held once (on a simulated mesh: made
+    by an all-reduce into a Replicate axis), values and gradients."""
+    operand_shapes_ = data.draw(operand_shapes(op), "shapes")
+    layouts = [data.draw(layout_on(mesh, len(s)), f"layout {i}") for i, s in enumerate(operand_shapes_)]
+    params = op.params(data.draw, operand_shapes_) if op.params is not None else ()
+    xs = [value_of(s, dtype, seed + i) for i, s in enumerate(operand_shapes_)]
+    grad = op.smooth and differentiable(dtype) and data.draw(st.booleans(), "grad")
+    what = f"{op.name}{tuple(params)} on held {[str(lay) for lay in layouts]} {operand_shapes_} {dtype}"
+    run_op(op, mesh, layouts, xs, params, grad, what, held=True)
 
 
 def _second_derivatives(outs, leaves, cotangents, directions):

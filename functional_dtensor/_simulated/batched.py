@@ -30,11 +30,13 @@ from .._sharding import shard_table
 __all__ = ["run_local", "per_device", "PER_DEVICE_KERNEL"]
 
 
-def run_local(local, batched: str | None, func, args, kwargs, ctx, storages):
+def run_local(local, batched: str | None, func, args, kwargs, ctx, storages, held=None):
     """``local`` (an op's local form) on stacked storage: by its batched form where the
     blocks are even and it has one, else per device. ``storages``: the inputs' storages among
-    ``args``/``kwargs``, in the decision's order (None: every tensor among ``args``)."""
-    if ctx.even and batched is not None:
+    ``args``/``kwargs``, in the decision's order (None: every tensor among ``args``).
+    ``held``: the storages are the blocks held once by this plan (``ctx.held``), one per
+    distinct block, and so is the output."""
+    if ctx.even and batched is not None and (held is None or batched not in _BY_DEVICE):
         if batched == "leading":
             return local(func, args, kwargs, ctx)
         out = FORMS[batched](local, func, args, kwargs, ctx)
@@ -42,13 +44,14 @@ def run_local(local, batched: str | None, func, args, kwargs, ctx, storages):
             return out
     if storages is None:
         storages = [a for a in args if isinstance(a, torch.Tensor)]
-    return per_device(local, func, args, kwargs, ctx, storages)
+    return per_device(local, func, args, kwargs, ctx, storages, None if held is None else held.devices)
 
 
-def per_device(local, func, args, kwargs, ctx, storages):
+def per_device(local, func, args, kwargs, ctx, storages, devices=None):
     """``local`` on each device's unpadded block (the inputs' blocks cut to the sizes their
     layouts give that device; other arguments as they are), its outputs padded to the
-    output's padded block and stacked. Gradients flow to the blocks, none to the padding."""
+    output's padded block and stacked. Gradients flow to the blocks, none to the padding.
+    ``devices``: the device each block of held storages stands for (None: every device's)."""
     decision = ctx.decision
     tables = [shard_table(layout, shape) for layout, shape in zip(decision.inputs, decision.call.shapes)]
     inputs = {}
@@ -62,10 +65,10 @@ def per_device(local, func, args, kwargs, ctx, storages):
     # (indexing a device's block would be a node per device, each filling a whole storage)
     blocks = {position: leaves[position].unbind(0) for position, _ in slots}
     results = []
-    for device in range(decision.output.mesh.size):
+    for row, device in enumerate(range(decision.output.mesh.size) if devices is None else devices):
         local_leaves = list(leaves)
         for position, i in slots:
-            block, size = blocks[position][device], tables[i].local_shapes[device]
+            block, size = blocks[position][row], tables[i].local_shapes[device]
             local_leaves[position] = (
                 block if block.shape == size else block[tuple([slice(0, n) for n in size])]
             )
@@ -80,6 +83,11 @@ def per_device(local, func, args, kwargs, ctx, storages):
         for j, shape in enumerate(decision.out_shapes)
     ]
     return type(first)(*outs) if hasattr(first, "_fields") else type(first)(outs)
+
+
+#: batched forms that index the device dim by device (offsets per device): on held blocks the
+#: op runs block by block instead
+_BY_DEVICE = frozenset(["embedding", "gather"])
 
 
 def _stacked(blocks: list[torch.Tensor], layout, shape) -> torch.Tensor:

@@ -20,6 +20,10 @@ from .._mesh import DeviceMesh
 __all__ = [
     "all_reduce",
     "all_gather",
+    "all_reduce_held",
+    "all_gather_held",
+    "spread_held",
+    "slice_held",
     "reduce_scatter",
     "all_to_all",
     "permute",
@@ -71,6 +75,44 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
     if order is None:
         return out
     return out.permute(sorted(range(x.dim()), key=[0, *[d for d in order if d != 0]].__getitem__))
+
+
+# Blocks held once (see .storage.Held) lie on a ``grid``: the mesh's shape, one at the axes
+# they are held along. The kernels below write each distinct result once.
+
+
+def all_reduce_held(held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes, op: str) -> torch.Tensor:
+    """Held blocks reduced over the axes' dims of their grid."""
+    x = held.reshape(*grid, *held.shape[1:])
+    dims = tuple(sorted([mesh.axis_position(a) for a in axes]))
+    out = blocks.reduce(x, op, dims, keepdim=True)
+    return out.reshape(math.prod(out.shape[: len(grid)]), *held.shape[1:])
+
+
+def spread_held(held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes) -> torch.Tensor:
+    """The transpose of :func:`all_reduce_held`'s sum: each result for every part of it."""
+    reduced = tuple([1 if mesh.axis_names[a] in axes else n for a, n in enumerate(grid)])
+    x = held.reshape(*reduced, *held.shape[1:]).expand(*grid, *held.shape[1:])
+    return x.reshape(math.prod(grid), *held.shape[1:])
+
+
+def all_gather_held(held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes, dim: int) -> torch.Tensor:
+    """Held blocks concatenated at ``dim`` over the one axis of ``axes``."""
+    x = held.reshape(*grid, *held.shape[1:])
+    moved = x.movedim(mesh.axis_position(axes[0]), len(grid) - 1 + dim)
+    block = list(held.shape[1:])
+    block[dim] *= mesh.axis_size(axes)
+    return moved.reshape(held.shape[0] // mesh.axis_size(axes), *block)
+
+
+def slice_held(held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes, dim: int) -> torch.Tensor:
+    """The transpose of :func:`all_gather_held`: each device's slice at ``dim``."""
+    axis, k = mesh.axis_position(axes[0]), mesh.axis_size(axes)
+    block = list(held.shape[1:])
+    block[dim : dim + 1] = [k, block[dim] // k]
+    rest = [n for a, n in enumerate(grid) if a != axis]
+    x = held.reshape(*rest, *block).movedim(len(rest) + dim, axis)
+    return x.reshape(math.prod(grid), *x.shape[len(grid) :])
 
 
 def all_gather(

@@ -9,9 +9,19 @@ Python work per op does not grow with the mesh.
 Evenly split values without Partial axes are views of the global tensor (reshape, permute,
 expand: a replicated value is held once), by view steps cached per layout and shape; the other
 layouts go through the block grid of :mod:`.._blocks`.
+
+A value replicated over some mesh axes and split over others cannot be a view of one copy in
+that form (the copies' stride-0 dim does not merge into the flat device dim). Such a value may
+be **held** instead: ``(r, *padded_shape)``, one block per coordinate of the other axes (``r``
+their product, in row-major order), :func:`fold` from the stacked form and :func:`unfold` back
+to it. Global ops whose output is replicated where every input is run on the held blocks, once
+per distinct block, not once per device (:class:`Held`).
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +50,10 @@ __all__ = [
     "replica",
     "replicated",
     "from_source",
+    "Held",
+    "held_plan",
+    "fold",
+    "unfold",
 ]
 
 
@@ -351,3 +365,122 @@ def replicated(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
 def from_source(tensor: torch.Tensor, mesh, src: int) -> torch.Tensor:
     """The one tensor every simulated device holds: already the source's."""
     return tensor
+
+
+class Held(NamedTuple):
+    """How a layout's blocks are held once along its Replicate axes (of more than one
+    device): the mesh grid with those axes kept at one coordinate, ``axes`` their positions,
+    ``rows`` the distinct blocks, ``devices`` the device (flat index) that stands for each."""
+
+    grid: tuple[int, ...]
+    axes: tuple[int, ...]
+    rows: int
+    devices: tuple[int, ...]
+
+
+@cached(1024)
+def held_plan(layout: Layout) -> Held | None:
+    """How ``layout``'s blocks are held once (None where no axis of more than one device
+    replicates them)."""
+    mesh = layout.mesh
+    axes = tuple(
+        [a for a, (p, n) in enumerate(zip(layout.placements, mesh.shape)) if isinstance(p, Replicate) and n > 1]
+    )
+    if not axes:
+        return None
+    grid = tuple([1 if a in axes else n for a, n in enumerate(mesh.shape)])
+    devices = tuple(
+        [d for d in range(mesh.size) if all(c == 0 for a, c in enumerate(mesh.coordinate(d)) if a in axes)]
+    )
+    return Held(grid, axes, math.prod(grid), devices)
+
+
+def _taken(full: torch.Tensor, mesh_shape, plan: Held, summed: tuple[int, ...], reduce: bool):
+    """Every device's blocks -> the held ones: the copy at coordinate 0 along the plan's axes,
+    or with ``reduce`` the sum of the copies along the ``summed`` ones."""
+    grid = full.reshape(*mesh_shape, *full.shape[1:])
+    for axis in plan.axes:
+        grid = grid.sum(axis, keepdim=True) if reduce and axis in summed else grid.narrow(axis, 0, 1)
+    return grid.reshape(plan.rows, *full.shape[1:])
+
+
+def _spread(held: torch.Tensor, mesh_shape, plan: Held, summed: tuple[int, ...], pad: bool):
+    """The held blocks -> every device's: a copy for every device, or with ``pad`` the block at
+    coordinate 0 and zeros at the others along the ``summed`` axes."""
+    grid = held.reshape(*plan.grid, *held.shape[1:])
+    for axis in summed if pad else ():
+        zeros = list(grid.shape)
+        zeros[axis] = mesh_shape[axis] - 1
+        grid = torch.cat([grid, grid.new_zeros(zeros)], axis)
+    grid = grid.expand(*mesh_shape, *held.shape[1:])
+    return grid.reshape(math.prod(mesh_shape), *held.shape[1:])
+
+
+# A held value's cotangent is the whole one along the axes it is replicated over (every copy's
+# is that one: the copy at coordinate 0 is taken), and along the ``summed`` axes, those it is
+# varied over (see .._varied: each device's cotangent is a part), the sum of the parts. The
+# functions below move values and cotangents between the two forms by these rules; each
+# pair is the other's derivative, to any order.
+
+
+@autograd.compilable
+class _ToHeld(torch.autograd.Function):
+    """Every device's blocks -> the held ones (:func:`_taken`). Backward: :class:`_ToFull`
+    (a copy for every device; along the summed axes, with ``reduce``, for every part; without,
+    at coordinate 0 and zeros at the others, parts that sum to it)."""
+
+    @staticmethod
+    def forward(full, mesh_shape, plan, summed, reduce):
+        return _taken(full, mesh_shape, plan, summed, reduce)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, g):
+        mesh_shape, plan, summed, reduce = ctx.args
+        return autograd.apply(_ToFull, g, mesh_shape, plan, summed, not reduce), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return autograd.apply(_ToHeld, t, *ctx.args)
+
+
+@autograd.compilable
+class _ToFull(torch.autograd.Function):
+    """The held blocks -> every device's (:func:`_spread`). Backward: :class:`_ToHeld` (the
+    copy at coordinate 0; along the summed axes, without ``pad``, the sum of the parts)."""
+
+    @staticmethod
+    def forward(held, mesh_shape, plan, summed, pad):
+        return _spread(held, mesh_shape, plan, summed, pad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, g):
+        mesh_shape, plan, summed, pad = ctx.args
+        return autograd.apply(_ToHeld, g, mesh_shape, plan, summed, not pad), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return autograd.apply(_ToFull, t, *ctx.args)
+
+
+def fold(storage: torch.Tensor, layout: Layout, plan: Held, summed: tuple[int, ...] = ()) -> torch.Tensor:
+    """The held blocks of a stacked storage in ``layout`` (a view where the storage allows);
+    ``summed``: the plan's axes the value is varied over."""
+    if storage.requires_grad:
+        return autograd.apply(_ToHeld, storage, layout.mesh.shape, plan, summed, False)
+    return _taken(storage, layout.mesh.shape, plan, summed, False)
+
+
+def unfold(held: torch.Tensor, layout: Layout, summed: tuple[int, ...] = ()) -> torch.Tensor:
+    """Every device's block of a held value in ``layout`` (``summed``: as :func:`fold`'s)."""
+    plan = held_plan(layout)
+    if held.requires_grad:
+        return autograd.apply(_ToFull, held, layout.mesh.shape, plan, summed, False)
+    return _spread(held, layout.mesh.shape, plan, summed, False)

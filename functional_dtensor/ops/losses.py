@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 
 from .._backend import is_transformed
-from .._dtensor import DTensor, distribute_tensor, storage_of, without_partial
+from .._dtensor import DTensor, data_of, distribute_tensor, without_partial
 from .._errors import InputTypeError, ShapeError, explain
 from .._op_decisions import Handler, refused, register
 from .._placements import Replicate
@@ -187,7 +187,7 @@ def _check_on_meta(func, name: str, values, options: dict) -> None:
 def _check_targets(target: DTensor, classes: int, ignore_index: int, name: str) -> None:
     """Class indices are classes (or ignored), as torch's kernel checks: each rank checks its
     own (the padding of uneven ones holds 0, a class)."""
-    held = storage_of(target)
+    held = data_of(target)  # its distinct blocks: each device's block is one of them
     if torch.compiler.is_compiling() or is_transformed(held) or target.sharding.has_partial:
         return
     outside = (held != ignore_index) & ((held < 0) | (held >= classes))

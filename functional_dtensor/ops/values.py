@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import random as fd_random
-from .._dtensor import DTensor, storage_of, without_partial
+from .._dtensor import DTensor, data_of, held_of, new_held, storage_of, without_partial
 from .._errors import InputTypeError, ShapeError, explain
 from .._factories import empty, full, ones, zeros
 from .._op_decisions import Handler, register
@@ -104,15 +104,19 @@ def _autograd_grad(func, args, kwargs, ctx):
         grad_outputs = [g.full_tensor() if type(g) is DTensor else g for g in grad_outputs]
     arguments.update(
         outputs=[o.full_tensor() if type(o) is DTensor else o for o in outputs],
-        inputs=[storage_of(i) if type(i) is DTensor else i for i in inputs],
+        inputs=[data_of(i) if type(i) is DTensor else i for i in inputs],
         grad_outputs=grad_outputs,
     )
     grads = func(**arguments)
-    out = tuple(
-        DTensor(g, without_partial(i.sharding), i.shape) if type(i) is DTensor and g is not None else g
-        for g, i in zip(grads, inputs)
-    )
-    return out
+    return tuple(gradient_value(g, i) if type(i) is DTensor and g is not None else g for g, i in zip(grads, inputs))
+
+
+def gradient_value(g: torch.Tensor, value: DTensor) -> DTensor:
+    """The gradient ``g`` of ``value``'s storage, or of its blocks held once, as a value laid
+    out like it (Partial axes as Replicate)."""
+    if held_of(value) is not None:
+        g = storage_of(new_held(g, value.sharding, value.shape))
+    return DTensor(g, without_partial(value.sharding), value.shape)
 
 
 register([torch.autograd.grad], Handler(None, no_params, _autograd_grad, "autograd.grad"))
@@ -144,7 +148,7 @@ def run_backward(where: str, outputs: list, gradients, retain_graph, create_grap
         gradients,
         retain_graph=retain_graph,
         create_graph=create_graph,
-        inputs=None if inputs is None else [storage_of(v) if isinstance(v, DTensor) else v for v in inputs],
+        inputs=None if inputs is None else [data_of(v) if isinstance(v, DTensor) else v for v in inputs],
     )
 
 
