@@ -328,6 +328,17 @@ class Backend:
         this process for its devices (the inverse of :meth:`replica`)."""
         return self._storage.replicated(tensor, layout)
 
+    @property
+    def held_min_elements(self) -> int:
+        """The elements of a block from which a value is worth holding once (see
+        :meth:`held_plan`; none on the distributed backend)."""
+        return self._storage.HELD_MIN_ELEMENTS if self.stacked else math.inf
+
+    def holds(self, layout: Layout, shape: tuple[int, ...]) -> bool:
+        """Whether a value of ``shape`` moved into ``layout`` is worth holding once: its
+        blocks are large enough."""
+        return math.prod(shard_table(layout, shape).padded_shape) >= self.held_min_elements
+
     def held_plan(self, layout: Layout):
         """How a value in ``layout`` is held once along its Replicate axes, one block per
         distinct shard (see :mod:`._simulated.storage`): None where it is not (no axis of more

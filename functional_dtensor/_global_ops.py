@@ -453,13 +453,9 @@ def _holds(tensors: list[DTensor]) -> bool:
     held already (an op on stacked inputs stays on them: a value held along some axes and
     split along others takes a copy per device to become stacked storage again, and a view of
     stacked storage takes none), and not on a ``torch.func`` transform's values."""
-    held = False
-    for t in tensors:
-        if held_of(t) is not None:
-            held = True
-        elif is_transformed(storage_of(t)):
-            return False
-    return held
+    if all([held_of(t) is None for t in tensors]):
+        return False
+    return not any([held_of(t) is None and is_transformed(storage_of(t)) for t in tensors])
 
 
 def _input(t: DTensor, fits: bool, layout: Layout, axes, grad: bool, held, decision: Decision):

@@ -115,15 +115,17 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     """On a simulated mesh, ``x`` in ``target`` held once along its Replicate axes (see
     :meth:`.Backend.held_plan`), where one all-reduce (a sum: a mean's parts take the whole
     cotangent, as a Partial value's, not its share) or one all-gather over one axis of even
-    blocks moves it (:func:`_held_move`): each distinct result computed and written once, not
-    once per device. The gradients are the transposes, counted as the distributed backend's
+    blocks moves it, and its blocks are large (:func:`_held_move`): each distinct result
+    computed and written once, not once per device. The gradients are the transposes, counted as the distributed backend's
     communicate (:class:`_HeldAllReduce`, :class:`_HeldAllGather`). The result is varied over
     ``axes`` (see :mod:`._varied`). None where it does not apply."""
+    mesh = target.mesh
     if torch.compiler.is_compiling():
         return None
     data, source, shape = data_of(x), x.sharding, x.shape
     integral = not (data.is_floating_point() or data.is_complex())
-    move = _held_move(source, target, tuple(shape), data.element_size(), integral)
+    threshold = backend_of(mesh).held_min_elements
+    move = _held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
     if move is None or data.is_meta or is_transformed(data):
         return None
     step, source_plan, grid = move
@@ -132,7 +134,6 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
         _steps(source, target, tuple(shape), data)
         if not same:
             _steps(back_source, back_target, tuple(shape), data, True)
-    mesh = target.mesh
     held = held_of(x)
     if held is None:
         held = storage_of(x)
@@ -148,11 +149,12 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
 
 
 @cached(1024)
-def _held_move(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool):
+def _held_move(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool, _threshold):
     """The one step that moves a value from ``source`` to ``target`` held once, the plan of
-    the source's held blocks and their grid; None where :func:`_held_moved` does not apply."""
+    the source's held blocks and their grid; None where :func:`_held_moved` does not apply
+    (``_threshold``: the current :meth:`.Backend.holds`, which decides with it)."""
     backend = backend_of(target.mesh)
-    if backend.held_plan(target) is None:
+    if backend.held_plan(target) is None or not backend.holds(target, shape):
         return None
     steps = _eager_steps(source, target, shape, itemsize, integral)
     if len(steps) != 1:

@@ -4,6 +4,7 @@ layout pairs that split evenly, and a catalogue of global op calls."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -211,3 +212,17 @@ def op_catalogue(mesh, x, w, idx) -> dict:
         }
         out.update({f"{name} {n}": value for name, value in cases.items()})
     return out
+
+
+@contextlib.contextmanager
+def held_at_any_size():
+    """Values of any size held once on a simulated mesh (see ``Backend.holds``: small ones
+    are not, where the Python of holding them outweighs the work saved)."""
+    from functional_dtensor._simulated import storage
+
+    before = storage.HELD_MIN_ELEMENTS
+    storage.HELD_MIN_ELEMENTS = 0
+    try:
+        yield
+    finally:
+        storage.HELD_MIN_ELEMENTS = before

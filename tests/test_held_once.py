@@ -9,14 +9,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import events
-from common import assert_close
+from common import assert_close, held_at_any_size
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
 from functional_dtensor._dtensor import held_of, storage_of
+from functional_dtensor._simulated import storage
+
+#: the library's own threshold (the tests below hold values of any size)
+HELD_MIN_ELEMENTS = storage.HELD_MIN_ELEMENTS
 
 S, R = fd.Shard, fd.Replicate()
+
+
+@pytest.fixture(autouse=True)
+def _small_values_held():
+    with held_at_any_size():
+        yield
 
 
 def values(shape, seed=0):
@@ -240,3 +250,16 @@ def test_a_compiled_function_takes_a_held_value():
     want_loss = (want.sin() * want).sum()
     assert_close(loss, want_loss)
     assert_close(grad, torch.autograd.grad(want_loss, [want])[0])
+
+
+def test_only_large_blocks_are_held():
+    """Holding a value once costs Python (its own autograd nodes, a copy where it meets
+    stacked storage): a small block stays stacked, a large one is held."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    fixture, storage.HELD_MIN_ELEMENTS = storage.HELD_MIN_ELEMENTS, HELD_MIN_ELEMENTS
+    try:
+        for rows, held in ((8, False), (2 * 128, True)):
+            parts = fd.distribute_tensor(torch.ones(rows, 128), mesh, [S(0), fd.Partial()])
+            assert (held_of(parts.redistribute(placements=[S(0), R])) is not None) is held, rows
+    finally:
+        storage.HELD_MIN_ELEMENTS = fixture

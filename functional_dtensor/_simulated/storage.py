@@ -51,6 +51,7 @@ __all__ = [
     "replicated",
     "from_source",
     "Held",
+    "HELD_MIN_ELEMENTS",
     "held_plan",
     "fold",
     "unfold",
@@ -376,6 +377,11 @@ class Held(NamedTuple):
     axes: tuple[int, ...]
     rows: int
     devices: tuple[int, ...]
+
+
+#: elements of a block from which a value moved into a Replicate axis is held once: below, the
+#: Python of holding it outweighs the work it saves
+HELD_MIN_ELEMENTS = 1 << 14
 
 
 @cached(1024)
