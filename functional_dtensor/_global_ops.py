@@ -494,7 +494,11 @@ def _varied_inputs(tensors: list[DTensor], decision: Decision, held):
     for (value, axes), needed, layout in zip(entries, decision.pvary, decision.inputs):
         need = (set(needed) | out_varied) - axes
         if type(value) is DTensor and (held is None or need - along or backend.held_plan(layout) != held):
-            value = varied.marked_storage(value)  # held once, needed stacked
+            own = backend.held_plan(layout)  # held once, needed stacked
+            if need and value.requires_grad and need <= {mesh.axis_names[a] for a in own.axes}:
+                storages.append(varied.pvaried_stacked(value, mesh, tuple(n for n in mesh.axis_names if n in need)))
+                continue
+            value = varied.marked_storage(value)
         if type(value) is DTensor:
             value = held_of(value)
         else:

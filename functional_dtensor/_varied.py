@@ -29,7 +29,7 @@ from ._collectives import AllReduce, Pvary, SplitCotangent, on_storage
 from ._dtensor import DTensor, held_of, held_varied, new_held, storage_of
 from ._mesh import DeviceMesh
 
-__all__ = ["TABLE", "PVARIED", "axes_of", "axes_of_value", "marked_storage", "invariant_value", "pvaried_held", "mark", "pvaried", "scope", "invariant", "vary_all"]
+__all__ = ["TABLE", "PVARIED", "axes_of", "axes_of_value", "marked_storage", "invariant_value", "pvaried_held", "pvaried_stacked", "mark", "pvaried", "scope", "invariant", "vary_all"]
 
 #: id(storage) (a fresh negative key while compiling) -> (storage, the axes it is varied
 #: over), while a forward runs
@@ -78,6 +78,23 @@ def pvaried_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) ->
     out = autograd.apply(_HeldPvary, held, mesh, axes)
     PVARIED[key] = (held, out)
     return out
+
+
+def pvaried_stacked(x: DTensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
+    """The stacked storage of ``x``, a value held once along ``axes`` (among others), through
+    ``pvary`` over them, once per forward: made from its blocks, the devices' cotangents summed
+    over ``axes`` straight into the held one (the all-reduce the distributed backend runs,
+    counted), not written to every device first."""
+    held = held_of(x)
+    key = (id(held), (*axes, "stacked"))
+    entry = PVARIED.get(key)
+    if entry is not None and entry[0] is held:
+        return entry[1]
+    summed = held_varied(x) | set(axes)
+    positions = tuple([a for a, name in enumerate(mesh.axis_names) if name in summed])
+    storage = backend_of(mesh).unfold(pvaried_held(held, mesh, axes), x.sharding, positions)
+    PVARIED[key] = (held, storage)
+    return storage
 
 
 @autograd.compilable
