@@ -141,10 +141,10 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
             summed = tuple([a for a in source_plan.axes if mesh.axis_names[a] in axes])
             held = backend_of(mesh).fold(held, source, source_plan, summed)
     if isinstance(step, AllReduce):
-        out = autograd.apply(_HeldAllReduce, held, grid, mesh, step.names)
+        out = autograd.apply(_HeldAllReduce, held, grid, mesh, step.names, False)
     else:
         dim, summed = source.placements[step.axes[0]].dim, step.names[0] in axes
-        out = autograd.apply(_HeldAllGather, held, grid, mesh, step.names, dim, summed)
+        out = autograd.apply(_HeldAllGather, held, grid, mesh, step.names, dim, summed, False)
     return new_held(varied.mark(out, axes), target, shape, frozenset(axes))
 
 
@@ -174,18 +174,21 @@ def _held_move(source: Layout, target: Layout, shape: tuple[int, ...], itemsize:
     return step, source_plan, source.mesh.shape if source_plan is None else source_plan.grid
 
 
-# The held moves, as autograd functions: each pair is the other's derivative, to every order,
-# and counts what the distributed backend's redistribute and its transposes communicate.
+# The held moves, as autograd functions: each, forward or transposed, is the other's
+# derivative, to every order, and counts what the distributed backend's redistribute and its
+# transposes communicate.
 
 
 @autograd.compilable
 class _HeldAllReduce(torch.autograd.Function):
-    """A Partial sum made Replicate on held blocks. Backward: :class:`_HeldSpread` (the whole
-    cotangent for every part: no communication, as the distributed backend's)."""
+    """A Partial sum made Replicate on held blocks, or (``transposed``) its transpose: the whole
+    cotangent for every part, with no communication, as the distributed backend's. Backward:
+    the other one."""
 
     @staticmethod
-    def forward(held, grid, mesh, names):
-        return backend_of(mesh).all_reduce_held(held, grid, mesh, names)
+    def forward(held, grid, mesh, names, transposed):
+        backend = backend_of(mesh)
+        return (backend.spread_held if transposed else backend.all_reduce_held)(held, grid, mesh, names)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -193,7 +196,8 @@ class _HeldAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_HeldSpread, g, *ctx.args), None, None, None
+        grid, mesh, names, transposed = ctx.args
+        return autograd.apply(_HeldAllReduce, g, grid, mesh, names, not transposed), None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
@@ -201,35 +205,17 @@ class _HeldAllReduce(torch.autograd.Function):
 
 
 @autograd.compilable
-class _HeldSpread(torch.autograd.Function):
-    """:class:`_HeldAllReduce`'s transpose. Backward: :class:`_HeldAllReduce`."""
-
-    @staticmethod
-    def forward(held, grid, mesh, names):
-        return backend_of(mesh).spread_held(held, grid, mesh, names)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, g):
-        return autograd.apply(_HeldAllReduce, g, *ctx.args), None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return autograd.apply(_HeldSpread, t, *ctx.args)
-
-
-@autograd.compilable
 class _HeldAllGather(torch.autograd.Function):
-    """Shards made Replicate over one axis, on held blocks. Backward: :class:`_HeldSlice`
-    (each device's slice; ``summed``, of a varied value, counted as the reduce-scatter of the
-    parts the distributed backend runs)."""
+    """Shards made Replicate over one axis on held blocks, or (``transposed``) its transpose:
+    each device's slice (``summed``, of a varied value, counted as the reduce-scatter of the
+    parts the distributed backend runs). Backward: the other one."""
 
     @staticmethod
-    def forward(held, grid, mesh, names, dim, summed):
-        return backend_of(mesh).all_gather_held(held, grid, mesh, names, dim)
+    def forward(held, grid, mesh, names, dim, summed, transposed):
+        backend = backend_of(mesh)
+        if transposed:
+            return backend.slice_held(held, grid, mesh, names, dim, summed)
+        return backend.all_gather_held(held, grid, mesh, names, dim)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -237,32 +223,12 @@ class _HeldAllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_HeldSlice, g, *ctx.args), None, None, None, None, None
+        *args, transposed = ctx.args
+        return autograd.apply(_HeldAllGather, g, *args, not transposed), None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
         return autograd.apply(_HeldAllGather, t, *ctx.args)
-
-
-@autograd.compilable
-class _HeldSlice(torch.autograd.Function):
-    """:class:`_HeldAllGather`'s transpose. Backward: :class:`_HeldAllGather`."""
-
-    @staticmethod
-    def forward(held, grid, mesh, names, dim, summed):
-        return backend_of(mesh).slice_held(held, grid, mesh, names, dim, summed)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, g):
-        return autograd.apply(_HeldAllGather, g, *ctx.args), None, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return autograd.apply(_HeldSlice, t, *ctx.args)
 
 
 def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...]) -> DTensor:

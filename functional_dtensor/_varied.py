@@ -75,7 +75,7 @@ def pvaried_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) ->
     entry = PVARIED.get(key)
     if entry is not None and entry[0] is held:
         return entry[1]
-    out = autograd.apply(_HeldPvary, held, mesh, axes)
+    out = autograd.apply(_HeldPvary, held, mesh, axes, False)
     PVARIED[key] = (held, out)
     return out
 
@@ -99,45 +99,28 @@ def pvaried_stacked(x: DTensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torc
 
 @autograd.compilable
 class _HeldPvary(torch.autograd.Function):
-    """Identity; backward: :class:`_HeldPsum`."""
+    """Identity on held blocks; ``counted``, it is a ``psum`` of their parts, which are summed
+    already: the all-reduce the distributed backend runs is counted. Backward: the same, the
+    other way (pvary and psum are each other's transpose)."""
 
     @staticmethod
-    def forward(held, mesh, axes):
+    def forward(held, mesh, axes, counted):
+        if counted:
+            backend_of(mesh).count_held_psum(held, mesh, axes)
         return held.view_as(held)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.axes = inputs[1], inputs[2]
+        ctx.args = inputs[1:]
 
     @staticmethod
     def backward(ctx, g):
-        return autograd.apply(_HeldPsum, g, ctx.mesh, ctx.axes), None, None
+        mesh, axes, counted = ctx.args
+        return autograd.apply(_HeldPvary, g, mesh, axes, not counted), None, None, None
 
     @staticmethod
-    def jvp(ctx, t, _mesh, _axes):
-        return t.view_as(t)
-
-
-@autograd.compilable
-class _HeldPsum(torch.autograd.Function):
-    """Identity, counted as the all-reduce of the parts; backward: :class:`_HeldPvary`."""
-
-    @staticmethod
-    def forward(held, mesh, axes):
-        backend_of(mesh).count_held_psum(held, mesh, axes)
-        return held.view_as(held)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.axes = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        return autograd.apply(_HeldPvary, g, ctx.mesh, ctx.axes), None, None
-
-    @staticmethod
-    def jvp(ctx, t, _mesh, _axes):
-        return autograd.apply(_HeldPsum, t, ctx.mesh, ctx.axes)
+    def jvp(ctx, t, *_):
+        return autograd.apply(_HeldPvary, t, *ctx.args)
 
 
 def axes_of_value(x: DTensor) -> frozenset[str]:

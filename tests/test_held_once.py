@@ -77,6 +77,15 @@ def leaves(batch=4, d=6, hidden=8):
     ]
 
 
+def assert_each_equals(results: list, expected: dict) -> None:
+    """Every process's loss, gradients and collectives equal the simulated mesh's."""
+    for result in results:
+        assert_close(result["loss"], expected["loss"])
+        assert_close(result["first"], expected["first"])
+        assert_close(result["second"], expected["second"])
+        assert result["comm"] == expected["comm"]
+
+
 def held_program(mesh):
     inputs, seen = leaves(), []
     laid_out = on_mesh(*inputs, mesh)
@@ -109,11 +118,7 @@ def test_held_program_is_the_same_on_both_backends(backend, mesh):
     expected = held_program(mesh.simulated())
     if backend.is_simulated:
         assert all(expected["seen"])
-    for result in results:
-        assert_close(result["loss"], expected["loss"])
-        assert_close(result["first"], expected["first"])
-        assert_close(result["second"], expected["second"])
-        assert result["comm"] == expected["comm"]
+    assert_each_equals(results, expected)
 
 
 def test_a_held_value_reads_as_every_devices_block():
@@ -228,12 +233,7 @@ def _head_job(mesh):
 @pytest.mark.meshes((2, 2))
 def test_a_gathered_head_is_the_same_on_both_backends(backend, mesh):
     results = backend.run(_head_job, (2, 2), ("dp", "tp"))
-    expected = _head_job(fd.simulated_mesh((2, 2), ("dp", "tp")))
-    for result in results:
-        assert_close(result["loss"], expected["loss"])
-        assert_close(result["first"], expected["first"])
-        assert_close(result["second"], expected["second"])
-        assert result["comm"] == expected["comm"]
+    assert_each_equals(results, _head_job(fd.simulated_mesh((2, 2), ("dp", "tp"))))
 
 
 def test_a_compiled_function_takes_a_held_value():

@@ -425,19 +425,21 @@ def _spread(held: torch.Tensor, mesh_shape, plan: Held, summed: tuple[int, ...],
 # A held value's cotangent is the whole one along the axes it is replicated over (every copy's
 # is that one: the copy at coordinate 0 is taken), and along the ``summed`` axes, those it is
 # varied over (see .._varied: each device's cotangent is a part), the sum of the parts. The
-# functions below move values and cotangents between the two forms by these rules; each
-# pair is the other's derivative, to any order.
+# function below moves values and cotangents between the two forms by these rules; each way
+# is the other's derivative, to any order.
 
 
 @autograd.compilable
-class _ToHeld(torch.autograd.Function):
-    """Every device's blocks -> the held ones (:func:`_taken`). Backward: :class:`_ToFull`
-    (a copy for every device; along the summed axes, with ``reduce``, for every part; without,
-    at coordinate 0 and zeros at the others, parts that sum to it)."""
+class _Moved(torch.autograd.Function):
+    """Every device's blocks -> the held ones (``to_held``: :func:`_taken`, with ``flag`` its
+    ``reduce``), or back (:func:`_spread`, with ``flag`` its ``pad``). Backward: the other
+    way, with the other ``flag``: the held cotangent for every copy, or at coordinate 0 with
+    zeros at the others along the summed axes (parts that sum to it); the copy at coordinate
+    0, or the sum of the parts along the summed axes."""
 
     @staticmethod
-    def forward(full, mesh_shape, plan, summed, reduce):
-        return _taken(full, mesh_shape, plan, summed, reduce)
+    def forward(x, mesh_shape, plan, summed, to_held, flag):
+        return (_taken if to_held else _spread)(x, mesh_shape, plan, summed, flag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -445,42 +447,20 @@ class _ToHeld(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        mesh_shape, plan, summed, reduce = ctx.args
-        return autograd.apply(_ToFull, g, mesh_shape, plan, summed, not reduce), None, None, None, None
+        mesh_shape, plan, summed, to_held, flag = ctx.args
+        back = autograd.apply(_Moved, g, mesh_shape, plan, summed, not to_held, not flag)
+        return back, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return autograd.apply(_ToHeld, t, *ctx.args)
-
-
-@autograd.compilable
-class _ToFull(torch.autograd.Function):
-    """The held blocks -> every device's (:func:`_spread`). Backward: :class:`_ToHeld` (the
-    copy at coordinate 0; along the summed axes, without ``pad``, the sum of the parts)."""
-
-    @staticmethod
-    def forward(held, mesh_shape, plan, summed, pad):
-        return _spread(held, mesh_shape, plan, summed, pad)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, g):
-        mesh_shape, plan, summed, pad = ctx.args
-        return autograd.apply(_ToHeld, g, mesh_shape, plan, summed, not pad), None, None, None, None
-
-    @staticmethod
-    def jvp(ctx, t, *_):
-        return autograd.apply(_ToFull, t, *ctx.args)
+        return autograd.apply(_Moved, t, *ctx.args)
 
 
 def fold(storage: torch.Tensor, layout: Layout, plan: Held, summed: tuple[int, ...] = ()) -> torch.Tensor:
     """The held blocks of a stacked storage in ``layout`` (a view where the storage allows);
     ``summed``: the plan's axes the value is varied over."""
     if storage.requires_grad:
-        return autograd.apply(_ToHeld, storage, layout.mesh.shape, plan, summed, False)
+        return autograd.apply(_Moved, storage, layout.mesh.shape, plan, summed, True, False)
     return _taken(storage, layout.mesh.shape, plan, summed, False)
 
 
@@ -488,5 +468,5 @@ def unfold(held: torch.Tensor, layout: Layout, summed: tuple[int, ...] = ()) -> 
     """Every device's block of a held value in ``layout`` (``summed``: as :func:`fold`'s)."""
     plan = held_plan(layout)
     if held.requires_grad:
-        return autograd.apply(_ToFull, held, layout.mesh.shape, plan, summed, False)
+        return autograd.apply(_Moved, held, layout.mesh.shape, plan, summed, False, False)
     return _spread(held, layout.mesh.shape, plan, summed, False)
