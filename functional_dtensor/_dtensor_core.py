@@ -51,6 +51,7 @@ class DTensor:
     _shape: torch.Size
     _storage: torch.Tensor
     _held: torch.Tensor | None
+    _varied: frozenset
 
     def __init__(self, storage: torch.Tensor, layout: Layout, shape: Sequence[int]) -> None:
         """Internal: use :func:`distribute_tensor` or :func:`from_local`."""
@@ -124,7 +125,7 @@ class DTensor:
             "layout": self._layout,
             "shape": tuple(self._shape),
             "storage": storage,
-            "requires_grad": storage_of(self).requires_grad,
+            "requires_grad": self._data.requires_grad,
             "device": device,
         }
 
@@ -359,7 +360,9 @@ def new_value(storage: torch.Tensor, layout: Layout, shape: torch.Size) -> DTens
     return value
 
 
-def new_held(held: torch.Tensor, layout: Layout, shape: torch.Size, varied: frozenset = frozenset()) -> DTensor:
+def new_held(
+    held: torch.Tensor, layout: Layout, shape: torch.Size, varied: frozenset = frozenset()
+) -> DTensor:
     """A value from its blocks held once (see :meth:`.Backend.held_plan`), varied over the
     axes named in ``varied`` (see :mod:`._varied`: its held cotangent is the sum of the
     devices' parts there); its storage is made when first read."""

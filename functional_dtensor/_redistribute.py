@@ -43,7 +43,6 @@ from ._functorch import is_transformed
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 from ._placements import Partial, Replicate, Shard
-from ._sharding import shard_table
 from ._plan import (
     AllGather,
     AllReduce,
@@ -61,6 +60,7 @@ from ._plan import (
     plan,
     step_bytes,
 )
+from ._sharding import shard_table
 
 __all__ = ["redistribute", "gather_varied", "layout_key", "layout_of_key"]
 
@@ -116,9 +116,9 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     :meth:`.Backend.held_plan`), where one all-reduce (a sum: a mean's parts take the whole
     cotangent, as a Partial value's, not its share) or one all-gather over one axis of even
     blocks moves it, and its blocks are large (:func:`_held_move`): each distinct result
-    computed and written once, not once per device. The gradients are the transposes, counted as the distributed backend's
-    communicate (:class:`_HeldAllReduce`, :class:`_HeldAllGather`). The result is varied over
-    ``axes`` (see :mod:`._varied`). None where it does not apply."""
+    computed and written once, not once per device. The gradients are the transposes, counted
+    as the distributed backend's communicate (:class:`_HeldAllReduce`, :class:`_HeldAllGather`).
+    The result is varied over ``axes`` (see :mod:`._varied`). None where it does not apply."""
     mesh = target.mesh
     if torch.compiler.is_compiling():
         return None
@@ -149,7 +149,9 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
 
 
 @cached(1024)
-def _held_move(source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool, _threshold):
+def _held_move(
+    source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool, _threshold
+):
     """The one step that moves a value from ``source`` to ``target`` held once, the plan of
     the source's held blocks and their grid; None where :func:`_held_moved` does not apply
     (``_threshold``: the current :meth:`.Backend.holds`, which decides with it)."""

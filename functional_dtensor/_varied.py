@@ -29,7 +29,21 @@ from ._collectives import AllReduce, Pvary, SplitCotangent, on_storage
 from ._dtensor import DTensor, held_of, held_varied, new_held, storage_of
 from ._mesh import DeviceMesh
 
-__all__ = ["TABLE", "PVARIED", "axes_of", "axes_of_value", "marked_storage", "invariant_value", "pvaried_held", "pvaried_stacked", "mark", "pvaried", "scope", "invariant", "vary_all"]
+__all__ = [
+    "TABLE",
+    "PVARIED",
+    "axes_of",
+    "axes_of_value",
+    "marked_storage",
+    "invariant_value",
+    "pvaried_held",
+    "pvaried_stacked",
+    "mark",
+    "pvaried",
+    "scope",
+    "invariant",
+    "vary_all",
+]
 
 #: id(storage) (a fresh negative key while compiling) -> (storage, the axes it is varied
 #: over), while a forward runs

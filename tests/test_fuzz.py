@@ -561,7 +561,9 @@ def _held(t: torch.Tensor, mesh, layout: fd.Layout) -> fd.DTensor:
         return fd.distribute_tensor(t, mesh, layout)
     parts = list(layout.placements)
     parts[axes[0]] = fd.Partial()
-    value = fd.distribute_tensor(t, mesh, fd.Layout(mesh, tuple(parts), layout.shard_order)).redistribute(layout)
+    value = fd.distribute_tensor(t, mesh, fd.Layout(mesh, tuple(parts), layout.shard_order)).redistribute(
+        layout
+    )
     event(f"held once: {held_of(value) is not None}")
     return value
 

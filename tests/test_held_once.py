@@ -137,7 +137,9 @@ def test_a_held_value_reads_as_every_devices_block():
 @settings(max_examples=25, deadline=None)
 @given(
     shape=st.sampled_from([(2,), (4,), (2, 2), (3, 2), (2, 2, 2)]),
-    ops=st.lists(st.sampled_from(["sin", "exp", "square", "add", "mul", "softmax", "sum"]), min_size=1, max_size=5),
+    ops=st.lists(
+        st.sampled_from(["sin", "exp", "square", "add", "mul", "softmax", "sum"]), min_size=1, max_size=5
+    ),
     seed=st.integers(0, 2**16),
 )
 def test_chains_of_ops_on_held_values_equal_one_device(shape, ops, seed):

@@ -81,7 +81,9 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
 # they are held along. The kernels below write each distinct result once.
 
 
-def all_reduce_held(held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes, op: str) -> torch.Tensor:
+def all_reduce_held(
+    held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes, op: str
+) -> torch.Tensor:
     """Held blocks reduced over the axes' dims of their grid."""
     x = held.reshape(*grid, *held.shape[1:])
     dims = tuple(sorted([mesh.axis_position(a) for a in axes]))
@@ -96,7 +98,9 @@ def spread_held(held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axe
     return x.reshape(math.prod(grid), *held.shape[1:])
 
 
-def all_gather_held(held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes, dim: int) -> torch.Tensor:
+def all_gather_held(
+    held: torch.Tensor, grid: tuple[int, ...], mesh: DeviceMesh, axes, dim: int
+) -> torch.Tensor:
     """Held blocks concatenated at ``dim`` over the one axis of ``axes``."""
     x = held.reshape(*grid, *held.shape[1:])
     moved = x.movedim(mesh.axis_position(axes[0]), len(grid) - 1 + dim)

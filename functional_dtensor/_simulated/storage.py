@@ -390,7 +390,11 @@ def held_plan(layout: Layout) -> Held | None:
     replicates them)."""
     mesh = layout.mesh
     axes = tuple(
-        [a for a, (p, n) in enumerate(zip(layout.placements, mesh.shape)) if isinstance(p, Replicate) and n > 1]
+        [
+            a
+            for a, (p, n) in enumerate(zip(layout.placements, mesh.shape))
+            if isinstance(p, Replicate) and n > 1
+        ]
     )
     if not axes:
         return None

@@ -108,7 +108,9 @@ def _autograd_grad(func, args, kwargs, ctx):
         grad_outputs=grad_outputs,
     )
     grads = func(**arguments)
-    return tuple(gradient_value(g, i) if type(i) is DTensor and g is not None else g for g, i in zip(grads, inputs))
+    return tuple(
+        gradient_value(g, i) if type(i) is DTensor and g is not None else g for g, i in zip(grads, inputs)
+    )
 
 
 def gradient_value(g: torch.Tensor, value: DTensor) -> DTensor:
