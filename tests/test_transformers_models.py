@@ -18,7 +18,8 @@ import torch
 import functional_dtensor as fd
 
 transformers = pytest.importorskip("transformers")
-from common import assert_close, train_sharded  # noqa: E402
+from backends import Backend  # noqa: E402
+from common import assert_close, held_at_any_size, train_sharded  # noqa: E402
 
 R, S = fd.Replicate(), fd.Shard
 VOCAB, BATCH, SEQ, STEPS = 128, 4, 16, 3
@@ -165,6 +166,14 @@ def test_a_transformers_model_trains_sharded_as_on_one_device(backend, mesh, nam
     if not backend.is_simulated and (name, variant) not in [("llama", "tp+fsdp"), ("gpt2", "tp")]:
         pytest.skip("the gloo ranks run one plan per model in the default tier (all in test_..._long)")
     check_training(backend, name, variant)
+
+
+@pytest.mark.parametrize(("name", "variant"), [("llama", "tp+fsdp"), ("llama", "tp+sp"), ("gpt2", "tp")])
+def test_a_transformers_model_trains_with_replicated_values_held_once(name, variant):
+    """The simulated mesh holding every value replicated over an axis once (the tiny configs'
+    values are below the size it holds by default): losses and gradients as one device's."""
+    with held_at_any_size():
+        check_training(Backend("simulated"), name, variant)
 
 
 @pytest.mark.slow
