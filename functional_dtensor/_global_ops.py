@@ -46,7 +46,6 @@ from ._dtensor import (
 )
 from ._errors import FunctionalDTensorError, InputTypeError, explain
 from ._functorch import is_transformed
-from ._layout import Layout
 from ._op_decisions import (
     FUNC_IDS,
     HANDLERS,
@@ -417,10 +416,7 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
         storages, out_varied = _varied_inputs(tensors, decision, held)
     else:
         out_varied = frozenset()
-        storages = [
-            _input(t, fits, layout, axes, grad, held, decision)
-            for t, fits, layout, axes in zip(tensors, decision.fits, decision.inputs, decision.pvary)
-        ]
+        storages = [_input(t, i, grad, held, decision) for i, t in enumerate(tensors)]
     feed = iter(storages)
     if tree is None:
         local = [next(feed) if type(v) is DTensor else v for v in leaves]
@@ -458,13 +454,13 @@ def _holds(tensors: list[DTensor]) -> bool:
     return not any([held_of(t) is None and is_transformed(storage_of(t)) for t in tensors])
 
 
-def _input(t: DTensor, fits: bool, layout: Layout, axes, grad: bool, held, decision: Decision):
-    """An input's storage for the local form: ``t`` in the decision's ``layout``, through
-    ``pvary`` over ``axes`` where it needs a gradient; with a ``held`` plan, its blocks held
-    once (see :meth:`.Backend.held_plan`)."""
-    if held is not None and fits and not axes and held_of(t) is not None:
-        if decision.context.backend.held_plan(layout) == held:
-            return held_of(t)
+def _input(t: DTensor, i: int, grad: bool, held, decision: Decision):
+    """The storage of input ``i``, ``t``, for the local form: in the decision's layout,
+    through ``pvary`` where it needs a gradient; with a ``held`` plan, its blocks held once
+    (see :meth:`.Backend.held_plan`)."""
+    fits, layout, axes = decision.fits[i], decision.inputs[i], decision.pvary[i]
+    if held is not None and fits and not axes and held_of(t) is not None and decision.context.held_fits[i]:
+        return held_of(t)
     storage = storage_of(t if fits else redistribute(t, layout))
     if axes and grad and storage.requires_grad:
         storage = on_storage(storage, decision.output.mesh, Pvary, axes)
@@ -491,9 +487,10 @@ def _varied_inputs(tensors: list[DTensor], decision: Decision, held):
     backend = decision.context.backend
     along = frozenset() if held is None else frozenset([mesh.axis_names[a] for a in held.axes])
     storages = []
-    for (value, axes), needed, layout in zip(entries, decision.pvary, decision.inputs):
+    fits = decision.context.held_fits
+    for i, ((value, axes), needed, layout) in enumerate(zip(entries, decision.pvary, decision.inputs)):
         need = (set(needed) | out_varied) - axes
-        if type(value) is DTensor and (held is None or need - along or backend.held_plan(layout) != held):
+        if type(value) is DTensor and (held is None or need - along or not fits[i]):
             own = backend.held_plan(layout)  # held once, needed stacked
             if need and value.requires_grad and need <= {mesh.axis_names[a] for a in own.axes}:
                 storages.append(
