@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 
 from .._backend import is_transformed
+from .._cache import Bounded
 from .._dtensor import DTensor, data_of, distribute_tensor, without_partial
 from .._errors import InputTypeError, ShapeError, explain
 from .._op_decisions import Handler, refused, register
@@ -169,19 +170,33 @@ def _arguments(func, name: str, names: tuple[str, ...], args, kwargs) -> _Loss:
     )
 
 
+#: the calls torch's checks passed: (loss, shapes and dtypes, options)
+_CHECKED = Bounded(1024, "losses: calls checked on meta")
+
+
 def _check_on_meta(func, name: str, values, options: dict) -> None:
     """torch's own checks of the call (shapes, weights, the options' values) on meta tensors of
-    the global shapes."""
+    the global shapes; once per shapes, dtypes and options."""
 
     def meta(value):
         return None if value is None else torch.empty(value.shape, dtype=value.dtype, device="meta")
 
+    key = None
+    if not torch.compiler.is_compiling():
+        key = (func, *[None if v is None else (tuple(v.shape), v.dtype) for v in values], *options.items())
+        try:
+            if key in _CHECKED:
+                return
+        except TypeError:  # an unhashable option: checked every time
+            key = None
     x, target, weight = values
     try:
         func(meta(x), meta(target), weight=meta(weight), **options)
     except (RuntimeError, TypeError, ValueError, IndexError, AssertionError) as error:
         shapes = ", ".join(str(tuple(v.shape)) for v in values if v is not None)
         raise refused(f"nn.functional.{name}", f"{shapes} {options}", error) from None
+    if key is not None:
+        _CHECKED[key] = True
 
 
 def _check_targets(target: DTensor, classes: int, ignore_index: int, name: str) -> None:
