@@ -570,6 +570,19 @@ def test_what_torch_refuses_is_the_librarys_error(name):
     check(error, builtin, lambda: call(refused_arguments(on_mesh=True)), *fragments)
 
 
+def test_a_call_checked_once_never_hides_a_refusal():
+    """torch's checks of a loss run once per shapes, dtypes and options: a refused call after
+    accepted ones of the same shapes (another option, a mismatched target) is still refused."""
+    a = refused_arguments(on_mesh=True)
+    for _ in range(2):
+        F.cross_entropy(a["logits"], a["target"], label_smoothing=0.5)
+        F.nll_loss(a["logits"].log_softmax(-1), a["target"], reduction="sum")
+    check(fd.ShapeError, ValueError, lambda: REFUSALS["label_smoothing above 1"][0](a), "label_smoothing")
+    check(fd.ShapeError, ValueError, lambda: REFUSALS["a reduction torch lacks"][0](a), "avg")
+    short = fd.distribute_tensor(torch.tensor([0, 1, 2, 3]), a["target"].device_mesh, fd.P())
+    check(fd.ShapeError, ValueError, lambda: F.cross_entropy(a["logits"], short), "cross_entropy")
+
+
 def test_a_plain_target_is_refused_with_the_fix():
     mesh = fd.simulated_mesh(2, "x")
     logits = fd.distribute_tensor(values((4, C)), mesh, fd.P("x"))
