@@ -7,9 +7,9 @@ import warnings
 
 import torch
 
-from ._cache import cached
+from ._cache import Bounded
 
-__all__ = ["tensors_of", "replace_inputs", "written_tensors", "quiet_if"]
+__all__ = ["tensors_of", "replace_inputs", "writes_first", "written_tensors", "quiet_if"]
 
 
 def tensors_of(args, kwargs) -> list[torch.Tensor]:
@@ -50,21 +50,29 @@ def replace_inputs(func, args, kwargs, replace):
 _KEEPS_VALUES = frozenset({"requires_grad_", "share_memory_", "pin_memory_"})
 
 
-@cached(4096)
-def _writes_first(func) -> bool:
+def writes_first(func) -> bool:
     """Whether ``func`` writes its first tensor argument (decided once per function)."""
-    name = getattr(func, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__") and name not in _KEEPS_VALUES
-    return in_place or name == "__setitem__"
+    found = _WRITES_FIRST.get(func)
+    if found is None:
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") and not name.endswith("__") and name not in _KEEPS_VALUES
+        found = in_place or name == "__setitem__"
+        if not torch.compiler.is_compiling():
+            _WRITES_FIRST[func] = found
+    return found
+
+
+#: func -> whether it writes its first tensor argument
+_WRITES_FIRST = Bounded(4096, "ops: whether they write their first argument")
 
 
 def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors a torch op writes in place: the first tensor argument of an in-place op
     (``x.mul_(2)``, ``x += 1``, ``x[i] = v``, ``F.relu(x, inplace=True)``) and its ``out=``."""
     if not kwargs:  # the common case: a plain op
-        return tensors_of(args, kwargs)[:1] if _writes_first(func) else []
+        return tensors_of(args, kwargs)[:1] if writes_first(func) else []
     written = []
-    if _writes_first(func) or kwargs.get("inplace") is True:
+    if writes_first(func) or kwargs.get("inplace") is True:
         written += tensors_of(args, kwargs)[:1]
     out = kwargs.get("out")
     if isinstance(out, torch.Tensor):

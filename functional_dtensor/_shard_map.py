@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias, overload
 
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _log as log
 from ._backend import backend_of, memory_of
-from ._cache import cached
+from ._cache import Bounded, cached
 from ._collectives import Pvary, SplitCotangent, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, bound_axes, current_frame
 from ._dtensor import (
@@ -39,12 +40,13 @@ from ._dtensor import (
     check_tensor,
     distribute_storage,
     gather_storage,
+    new_value,
     storage_of,
 )
 from ._errors import FunctionalDTensorError, ImmutableError, InputTypeError, MeshError, SpecError, explain
 from ._layout import Layout
 from ._mesh import DeviceMesh
-from ._op_args import written_tensors
+from ._op_args import writes_first, written_tensors
 from ._placements import Shard
 from ._sharding import check_divisible, global_shape_of_even_local
 from ._spec import P
@@ -144,15 +146,18 @@ class _Mapping:
         self.frames: dict = {}
 
     def frame(self, level, device_level, compiling: bool) -> tuple[Frame, object]:
-        """The frame of a call at these levels, and the torch-function mode it runs under
-        (made afresh while compiling)."""
-        found = None if compiling else self.frames.get((level, device_level))
+        """The frame of a call at these levels, and the torch-function mode it runs under: in
+        eager mode an :class:`_InputGuard` around the tracker's or the backend's, one per
+        thread (it holds the running call's inputs); made afresh while compiling."""
+        if compiling:
+            frame = Frame(self.mesh, self.check_rep, self.backend, level, device_level)
+            return frame, ReplicationTracker(frame) if self.check_rep else self.backend.ops_mode(frame)
+        key = (level, device_level, threading.get_ident())
+        found = self.frames.get(key)
         if found is None:
             frame = Frame(self.mesh, self.check_rep, self.backend, level, device_level)
             mode = ReplicationTracker(frame) if self.check_rep else self.backend.ops_mode(frame)
-            found = (frame, mode)
-            if not compiling:
-                self.frames[(level, device_level)] = found
+            found = self.frames[key] = (frame, _InputGuard(mode, self.f))
         return found
 
 
@@ -236,15 +241,18 @@ def _run(m: _Mapping, args):
         plan = _planned(m.entries, treedef, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
         if not compiling and log.shard_map.isEnabledFor(logging.INFO):
             _log_plan(m, "in_specs", plan)
-    inputs, in_dims = [], []
+    inputs, in_dims, callers = [], [], set()
     for i, value in enumerate(leaves):
         if plan.specs[i] is None:
             inputs.append(value)
             in_dims.append(None)
         else:
-            value, batched = _enter(m, plan, i, value)
+            if not compiling and isinstance(value, torch.Tensor):
+                callers.add(memory_of(value))  # an output must not share the caller's memory
+            value, batched = _enter(m, plan, i, value, compiling)
             inputs.append(value)
             in_dims.append(0 if batched else None)
+    callers.discard(0)
     exits: list = []
 
     def per_device(level, device_level, *local_leaves):
@@ -256,13 +264,18 @@ def _run(m: _Mapping, args):
                     for v, axes in zip(local_leaves, plan.axes)
                 ]
             local_args = treedef.unflatten(local_leaves)
-            if not compiling:
-                mode = _InputGuard(mode, m.f, inputs, plan.paths)
             if mode is None:
                 outputs = m.f(*local_args)
-            else:
+            elif compiling:
                 with mode:
                     outputs = m.f(*local_args)
+            else:
+                mode.inputs, mode.paths = inputs, plan.paths
+                try:
+                    with mode:
+                        outputs = m.f(*local_args)
+                finally:
+                    mode.inputs = mode.paths = ()  # (not held past the call)
             flat, layouts, tree = _leave(m, outputs, compiling)
             flat = [
                 v if lay is None else m.backend.leave(v, lay.is_replicated, frame)
@@ -273,7 +286,6 @@ def _run(m: _Mapping, args):
 
     results, batched = m.backend.run_per_device(per_device, m.mesh.size, in_dims, inputs)
     layouts, tree = exits
-    callers = () if compiling else _callers_memory(leaves, plan)
     values = []
     for storage, is_batched, layout in zip(results, batched, layouts):
         if layout is None:
@@ -284,27 +296,34 @@ def _run(m: _Mapping, args):
         if not is_batched:  # the same on every device, held once
             values.append(DTensor(distribute_storage(storage, layout), layout, storage.shape))
         else:
-            shape = _global_shape(layout, m.backend.block_shape(storage))
+            shape = _global_shape(layout, m.backend.block_shape(storage), compiling)
             if not m.check_rep and not layout.is_fully_sharded:
                 storage = on_storage(storage, m.mesh, SplitCotangent, _replica_axes(layout))
-            values.append(DTensor(storage, layout, shape))
+            values.append(new_value(storage, layout, shape))
     return tree.unflatten(values)
 
 
-@cached(1024)
-def _global_shape(layout: Layout, block_shape: tuple[int, ...]) -> tuple[int, ...]:
-    return global_shape_of_even_local(layout, block_shape)
+#: (layout, block shape) -> the global shape of even blocks
+_GLOBAL_SHAPES = Bounded(1024, "shard_map: global shapes of outputs")
 
 
-def _enter(m: _Mapping, plan: _Plan, i: int, value):
+def _global_shape(layout: Layout, block_shape: tuple[int, ...], compiling: bool) -> torch.Size:
+    if compiling:
+        return torch.Size(global_shape_of_even_local(layout, block_shape))
+    shape = _GLOBAL_SHAPES.get((layout, block_shape))
+    if shape is None:
+        shape = torch.Size(global_shape_of_even_local(layout, block_shape))
+        _GLOBAL_SHAPES[layout, block_shape] = shape
+    return shape
+
+
+def _enter(m: _Mapping, plan: _Plan, i: int, value, compiling: bool):
     """Argument ``i`` as the per-device function's input, and whether it is per-device: its
     storage (stacked shards, or this rank's shard). Where the backend holds values the same on
     every device once, a replicated argument enters as one value."""
     mesh, backend, check_rep = m.mesh, m.backend, m.check_rep
-    if isinstance(value, (bool, int, float, complex)) and not plan.specs[i]:  # with spec P(): 0-d (as JAX)
-        value = torch.tensor(value)
     if isinstance(value, DTensor):
-        key = None if torch.compiler.is_compiling() else (value.sharding, value.shape)  # (unhashable there)
+        key = None if compiling else (value.sharding, value.shape)  # (unhashable there)
         layout = None if key is None else plan.layouts[i].get(key)
         if layout is None:
             layout = _checked_layout(mesh, plan, i, value.sharding, value.shape)
@@ -313,6 +332,8 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
         storage = storage_of(value)
         if layout.is_replicated and backend.holds_replicas_once:
             return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
+    elif isinstance(value, (bool, int, float, complex)) and not plan.specs[i]:  # spec P(): 0-d (as JAX)
+        return _enter(m, plan, i, torch.tensor(value), compiling)
     elif isinstance(value, torch.Tensor):
         check_tensor(value, f"fd.shard_map({plan.paths[i]})", torch_dtensor_fix=TORCH_DTENSOR_FIX)
         key = value.shape
@@ -342,35 +363,23 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value):
     return storage, True
 
 
-def _callers_memory(leaves, plan: _Plan) -> frozenset[int]:
-    """The memory of the tensor arguments: the caller's, which an output must not share (an
-    ``fd.DTensor`` argument is immutable: an output may share its memory)."""
-    found = frozenset(
-        [
-            memory_of(v)
-            for v, spec in zip(leaves, plan.specs)
-            if spec is not None and isinstance(v, torch.Tensor)
-        ]
-    )
-    return found - {0}
-
-
 class _InputGuard(TorchFunctionMode):
-    """The torch-function mode of one call of the per-device function: ``mode``'s (the
-    replication tracker's or the backend's; None: ops run as they are), refusing first every op
-    that would write into one of the function's inputs (see :func:`check_inputs_not_written`).
-    One mode, not two stacked: every op of the function pays for one dispatch."""
+    """The torch-function mode of the per-device function's calls on one thread: ``mode``'s
+    (the replication tracker's or the backend's; None: ops run as they are), refusing first
+    every op that would write into one of the running call's inputs (see
+    :func:`check_inputs_not_written`). One mode, not two stacked: every op of the function pays
+    for one dispatch."""
 
-    def __init__(self, mode, f, inputs, paths) -> None:
-        super().__init__()
-        self.mode, self.f, self.inputs, self.paths = mode, f, inputs, paths
+    def __init__(self, mode, f) -> None:
+        self.f, self.inputs, self.paths = f, (), ()  # inputs and paths: the running call's
+        self.inner_function = None if mode is None else mode.__torch_function__
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        check_inputs_not_written(func, args, kwargs, self.f, self.inputs, self.paths)
-        if self.mode is None:
-            return func(*args, **kwargs)
-        return self.mode.__torch_function__(func, types, args, kwargs)
+        if kwargs or writes_first(func):
+            check_inputs_not_written(func, args, kwargs or {}, self.f, self.inputs, self.paths)
+        if self.inner_function is None:
+            return func(*args, **(kwargs or {}))
+        return self.inner_function(func, types, args, kwargs)
 
 
 def check_inputs_not_written(func, args, kwargs, f, inputs, paths, *, api: str = "fd.shard_map") -> None:

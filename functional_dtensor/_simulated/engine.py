@@ -144,7 +144,7 @@ def on_devices(x: torch.Tensor, frame) -> torch.Tensor:
     is treated as varying over (all of them with ``check_rep=False``) and taken from one copy
     along the others."""
     level = frame.device_level
-    if batched_at(x, level):
+    if level_of(x) == level or batched_at(x, level):  # (the first: the common case, cheaply)
         return x
     mesh = frame.mesh
     varying = axes_varying(x)
