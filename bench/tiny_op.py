@@ -1,4 +1,4 @@
-"""Per-op overhead of a tiny elementwise op inside ``fd.shard_map``, at 8 and 64 devices.
+"""Per-op overhead of a tiny elementwise op inside ``fd.shard_map``, at 8, 64 and 1,024 devices.
 
     python bench/tiny_op.py [--quick]
 
@@ -7,7 +7,10 @@ per-op time is ``(time(N ops) - time(0 ops)) / N``, so the fixed cost of a ``sha
 (reported apart) cancels; the overhead per op is that minus the plain-torch per-op time of the
 same add on one 4-element tensor. The same is done for a tiny ``fd.psum`` (a collective on the
 4-element local tensor), and for torch's LocalTensor simulation (plain LocalTensor, and DTensor
-on LocalTensor) at 8 ranks. Targets: fd's overhead per add <= 10 us, flat in the device count.
+on LocalTensor) at 8 ranks. Two floors show what the simulation's approach costs before any
+work of fd's own: the add under functorch's vmap primitives alone, and under them with an empty
+Python torch-function mode (fd's replication tracker is one). Target: fd's overhead per add
+<= 2 us, flat in the device count.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import warnings
 import torch
 import torch.distributed as dist
 from _timing import interleaved, median_ms, print_table, verdict
+from torch.overrides import TorchFunctionMode
 
 import functional_dtensor as fd
 
 LOCAL = 4  # elements per device
-TARGET_US = 10.0
+TARGET_US = 2.0
 
 
 def adds(n_ops):
@@ -53,6 +57,42 @@ def mapped(body, n_devices, check_rep):
     f = fd.shard_map(body, mesh=mesh, in_specs=fd.P("x"), out_specs=fd.P("x"), check_rep=check_rep)
     x = fd.distribute_tensor(torch.zeros(n_devices * LOCAL), mesh, fd.P("x"))
     return lambda: f(x)
+
+
+class _EmptyMode(TorchFunctionMode):
+    """A torch-function mode that runs every op as it is: the dispatch a Python mode costs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def vmap_floor(body, n_devices, with_mode: bool):
+    """The body on stacked ``(n, LOCAL)`` values under functorch's vmap primitives alone (no
+    pytrees, no checks), optionally under an empty Python torch-function mode: what any
+    simulation by a device vmap with a Python mode pays per op, before any work of its own."""
+    from torch._C._functorch import (
+        _add_batch_dim,
+        _remove_batch_dim,
+        _vmap_decrement_nesting,
+        _vmap_increment_nesting,
+    )
+
+    x, mode = torch.zeros(n_devices, LOCAL), _EmptyMode()
+
+    def run():
+        level = _vmap_increment_nesting(n_devices, "different")
+        try:
+            local = _add_batch_dim(x, 0, level)
+            if with_mode:
+                with mode:
+                    out = body(local)
+            else:
+                out = body(local)
+            return _remove_batch_dim(out, level, n_devices, 0)
+        finally:
+            _vmap_decrement_nesting()
+
+    return run
 
 
 def local_tensor(body, world, dtensor: bool):
@@ -90,7 +130,9 @@ def main():
 
     # variant name -> a function making its step from a per-device body
     variants = {"plain torch, 1 tensor": lambda body: plain(body, torch.zeros(LOCAL))}
-    for n in (8, 64):
+    variants["floor: vmap primitives, 8"] = lambda body: vmap_floor(body, 8, with_mode=False)
+    variants["floor: vmap + empty mode, 8"] = lambda body: vmap_floor(body, 8, with_mode=True)
+    for n in (8, 64, 1024):
         for check_rep in (True, False):
             name = f"fd.shard_map, {n}" + ("" if check_rep else ", check_rep=False")
             variants[name] = lambda body, n=n, c=check_rep: mapped(body, n, c)

@@ -221,12 +221,23 @@ class _VaryAll(torch.autograd.Function):
         backend = backend_of(ctx.mesh)
         present = [g for g in grads if g is not None]
         if backend.one_process and not any([g.requires_grad for g in present]):
-            # one process: each gradient summed where it lies (no concatenation to copy, no copy
-            # of a transposed gradient), recorded as the one bucketed all-reduce of the ranks
+            # one process: each large gradient summed where it lies (no concatenation to copy, no
+            # copy of a transposed gradient), the small ones in one concatenation per dtype (one
+            # kernel, not one per gradient); recorded as the one bucketed all-reduce of the ranks
             _count_bucket("all_reduce", present, ctx.mesh, ctx.axes)
-            summed = [
-                None if g is None else backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False) for g in grads
-            ]
+            summed = list(grads)
+            small = {i for i, g in enumerate(grads) if g is not None and g[0].numel() < _BUCKETED_BELOW}
+            for indices in _by_dtype([grads[i] if i in small else None for i in range(len(grads))]):
+                if len(indices) == 1:
+                    continue
+                parts = [grads[i] for i in indices]
+                flat = torch.cat([g.reshape(g.shape[0], -1) for g in parts], dim=1)
+                total = backend.all_reduce(flat, ctx.mesh, ctx.axes, counted=False)
+                for i, piece in zip(indices, total.split([g[0].numel() for g in parts], dim=1)):
+                    summed[i] = piece.reshape(grads[i].shape)
+            for i, g in enumerate(grads):
+                if g is not None and summed[i] is g:
+                    summed[i] = backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False)
             return (None, None, *summed)
         lead = backend.block_dim(0)
         out = list(grads)
@@ -238,6 +249,11 @@ class _VaryAll(torch.autograd.Function):
             for i, piece, g in zip(indices, summed.split(sizes, dim=lead), parts):
                 out[i] = piece.reshape(g.shape)
         return (None, None, *out)
+
+
+#: elements of a device's block below which a gradient is summed in a concatenation, on one
+#: process: there the kernels' Python outweighs the copy
+_BUCKETED_BELOW = 1 << 14
 
 
 def vary_all(storages: list[torch.Tensor], mesh: DeviceMesh, axes) -> list[torch.Tensor]:

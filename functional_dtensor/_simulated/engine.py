@@ -50,7 +50,7 @@ def run_per_device(per_device, size: int, in_dims, inputs):
     vmap over ``in_dims`` (both levels: the vmap's); returns the outputs and whether each is
     batched over the devices (an unbatched output is the same on all)."""
     try:
-        if all(d is None for d in in_dims):  # vmap needs one mapped input to know the device count
+        if in_dims.count(None) == len(in_dims):  # vmap needs one mapped input to know the device count
             return over_devices(
                 lambda level, *a: per_device(level, level, *a[:-1]),
                 size,
