@@ -14,6 +14,7 @@ import math
 import torch
 
 from .. import _blocks as blocks
+from .._autograd import differentiated
 from .._cache import cached
 from .._mesh import DeviceMesh
 
@@ -71,10 +72,27 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
         x = x.permute(0, *[d for d in order if d != 0])
     grid = x.reshape(*mesh.shape, *x.shape[1:])
     dims = tuple(sorted([mesh.axis_position(a) for a in axes]))
-    out = blocks.reduce(grid, op, dims, keepdim=True).expand(grid.shape).contiguous().view(x.shape)
+    if op == "sum" and len(dims) == 1 and x.dtype != torch.bool and not differentiated(x):  # (out= is not)
+        out = _summed_into_first(grid, dims[0]).view(x.shape)
+    else:
+        out = blocks.reduce(grid, op, dims, keepdim=True).expand(grid.shape).contiguous().view(x.shape)
     if order is None:
         return out
     return out.permute(sorted(range(x.dim()), key=[0, *[d for d in order if d != 0]].__getitem__))
+
+
+def _summed_into_first(grid: torch.Tensor, dim: int) -> torch.Tensor:
+    """``grid`` summed over ``dim``, the sum on every coordinate of it: written once into the
+    first coordinate, then copied to the others (no temporary sum written, then copied to all)."""
+    out = torch.empty(grid.shape, dtype=grid.dtype, device=grid.device)
+    first, size = out.narrow(dim, 0, 1), grid.shape[dim]
+    if size == 2:  # one add (as blocks.reduce)
+        torch.add(grid.narrow(dim, 0, 1), grid.narrow(dim, 1, 1), out=first)
+    else:
+        torch.sum(grid, dim, keepdim=True, dtype=grid.dtype, out=first)
+    rest = out.narrow(dim, 1, size - 1)
+    rest.copy_(first.expand(rest.shape))
+    return out
 
 
 # Blocks held once (see .storage.Held) lie on a ``grid``: the mesh's shape, one at the axes
