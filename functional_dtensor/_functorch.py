@@ -140,12 +140,8 @@ def over_devices(per_device, size: int, in_dims, inputs):
         with vmap_increment_nesting(size, "different") as level:
             return _at_level(level, per_device, size, in_dims, inputs)
     level = _vmap_increment_nesting(size, "different")
-    try:  # _at_level's eager form, with functorch's own calls
-        outputs = per_device(
-            level, *[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
-        )
-        batched = [v is not None and maybe_get_level(v) == level for v in outputs]
-        return [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)], batched
+    try:
+        return _at_level(level, per_device, size, in_dims, inputs)
     finally:
         _vmap_decrement_nesting()
 

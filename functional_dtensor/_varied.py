@@ -225,19 +225,17 @@ class _VaryAll(torch.autograd.Function):
             # copy of a transposed gradient), the small ones in one concatenation per dtype (one
             # kernel, not one per gradient); recorded as the one bucketed all-reduce of the ranks
             _count_bucket("all_reduce", present, ctx.mesh, ctx.axes)
-            summed = list(grads)
-            small = {i for i, g in enumerate(grads) if g is not None and g[0].numel() < _BUCKETED_BELOW}
-            for indices in _by_dtype([grads[i] if i in small else None for i in range(len(grads))]):
-                if len(indices) == 1:
-                    continue
+            small = [g is not None and g[0].numel() < _BUCKETED_BELOW for g in grads]
+            summed = [
+                None if g is None or s else backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False)
+                for g, s in zip(grads, small)
+            ]
+            for indices in _by_dtype([g if s else None for g, s in zip(grads, small)]):
                 parts = [grads[i] for i in indices]
                 flat = torch.cat([g.reshape(g.shape[0], -1) for g in parts], dim=1)
                 total = backend.all_reduce(flat, ctx.mesh, ctx.axes, counted=False)
                 for i, piece in zip(indices, total.split([g[0].numel() for g in parts], dim=1)):
                     summed[i] = piece.reshape(grads[i].shape)
-            for i, g in enumerate(grads):
-                if g is not None and summed[i] is g:
-                    summed[i] = backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False)
             return (None, None, *summed)
         lead = backend.block_dim(0)
         out = list(grads)
