@@ -501,9 +501,8 @@ def _varied_inputs(tensors: list[DTensor], decision: Decision, held):
         if type(value) is DTensor:
             value = held_of(value)
         else:
-            if (
-                need - along and value.requires_grad
-            ):  # once per value and axes: its uses' gradients summed first
+            if need - along and value.requires_grad:
+                # once per value and axes: its uses' gradients summed first
                 value = varied.pvaried(value, mesh, tuple(n for n in mesh.axis_names if n in need - along))
             if held is not None:
                 summed = tuple([a for a in held.axes if mesh.axis_names[a] in axes])

@@ -236,6 +236,44 @@ def test_outputs_share_no_memory_with_the_callers_tensors(backend, mesh, check_r
         assert torch.equal(got[2], rows[:, :1]) and torch.equal(got[3], whole.view(-1))
 
 
+def test_two_threads_calling_one_shard_map_each_guard_their_own_inputs():
+    """A warm call keeps its input guard per thread: another thread's call, begun and ended
+    while one call runs, leaves that call's inputs guarded."""
+    import threading
+
+    mesh = fd.simulated_mesh(2, "x")
+    started, other_done = threading.Event(), threading.Event()
+
+    def body(x, write):
+        if bool(write.all()):  # (the same on every device: a plain Python flag in the data)
+            started.set()
+            other_done.wait(10)
+            x.add_(1)
+        return x * 2
+
+    f = fd.shard_map(body, mesh=mesh, in_specs=(fd.P("x"), None), out_specs=fd.P("x"))
+    x = torch.arange(4.0)
+    f(x, torch.tensor(False))  # warm: the guard exists
+    caught = []
+
+    def writer():
+        try:
+            f(x, torch.tensor(True))
+        except fd.ImmutableError as error:
+            caught.append(error)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert started.wait(10)
+    other = threading.Thread(target=lambda: f(x, torch.tensor(False)))
+    other.start()
+    other.join(10)
+    other_done.set()
+    thread.join(10)
+    assert len(caught) == 1 and "in place" in str(caught[0])
+    assert torch.equal(x, torch.arange(4.0))
+
+
 def test_dtensor_has_no_in_place_methods():
     x = fd.distribute_tensor(torch.arange(4.0), fd.simulated_mesh(2, "x"), fd.P("x"))
     for name, form in (("add_", "x.add("), ("mul_", "x.mul("), ("clamp_", "x.clamp(")):
