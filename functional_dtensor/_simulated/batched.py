@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import optree
 import torch
+import torch.nn.functional as F
 
 from .. import _autograd as autograd
 from .._blocks import pad
@@ -250,10 +251,20 @@ def embedding(local, func, args, kwargs, ctx):
         local = indices - starts.reshape(n, *[1] * (indices.dim() - 1))
         inside = (local >= 0) & (local < table.shape[1])
         indices = local.clamp(0, table.shape[1] - 1)
-    flat = indices.reshape(n, -1)
-    picked = torch.gather(table, 1, flat.unsqueeze(-1).expand(*flat.shape, table.shape[-1]))
-    picked = picked.reshape(*indices.shape, table.shape[-1])
+    if table.is_contiguous():  # one lookup in the devices' tables end to end (its backward too)
+        offsets = _row_offsets(n, table.shape[1], str(indices.device))
+        picked = F.embedding(indices + offsets.reshape(n, *[1] * (indices.dim() - 1)), table.flatten(0, 1))
+    else:
+        flat = indices.reshape(n, -1)
+        picked = torch.gather(table, 1, flat.unsqueeze(-1).expand(*flat.shape, table.shape[-1]))
+        picked = picked.reshape(*indices.shape, table.shape[-1])
     return picked if inside is None else picked * inside.unsqueeze(-1)
+
+
+@cached(1024)
+def _row_offsets(n: int, rows: int, device: str) -> torch.Tensor:
+    """``(n,)``: where device ``i``'s table starts among the devices' tables end to end."""
+    return torch.arange(0, n * rows, rows, device=device)
 
 
 @cached(1024)

@@ -55,13 +55,16 @@ def _to_groups(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]):
     return grid.reshape(rest, group, *local), order
 
 
-def _from_groups(y: torch.Tensor, mesh: DeviceMesh, order: tuple[int, ...]) -> torch.Tensor:
+def _from_groups(y: torch.Tensor, mesh: DeviceMesh, order: tuple[int, ...], block=None) -> torch.Tensor:
+    """``y`` in the canonical form, any strides (an expanded or moved view) -> the stacked
+    storage in mesh order, its blocks reshaped to ``block`` (default: as they are): one copy
+    at most, made by the last reshape, contiguous."""
     local = y.shape[2:]
-    grid = y.reshape(*[mesh.shape[p] for p in order], *local)
+    grid = y.reshape(*[mesh.shape[p] for p in order], *local)  # splits dims: a view
     if order != tuple(range(mesh.ndim)):
         inverse = sorted(range(mesh.ndim), key=order.__getitem__)
         grid = grid.permute(*inverse, *range(mesh.ndim, grid.dim()))
-    return grid.reshape(mesh.size, *local)
+    return grid.reshape(mesh.size, *(local if block is None else block)).contiguous()
 
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str = "sum") -> torch.Tensor:
@@ -144,10 +147,9 @@ def all_gather(
     groups, order = _to_groups(x, mesh, axes)
     rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
     gathered = groups.movedim(1, 1 + dim)  # (rest, *local[:dim], size, *local[dim:])
-    gathered = gathered.unsqueeze(1).expand(rest, size, *gathered.shape[1:]).contiguous()  # one copy
-    if tiled:
-        gathered = gathered.view(rest, size, *local[:dim], size * local[dim], *local[dim + 1 :])
-    return _from_groups(gathered, mesh, order)
+    gathered = gathered.unsqueeze(1).expand(rest, size, *gathered.shape[1:])  # a view
+    block = (*local[:dim], size * local[dim], *local[dim + 1 :]) if tiled else None
+    return _from_groups(gathered, mesh, order, block)  # the one copy
 
 
 def reduce_scatter(
@@ -159,7 +161,7 @@ def reduce_scatter(
     summed = blocks.reduce(groups, "sum", 1)  # (rest, *local)
     if tiled:
         summed = summed.reshape(rest, *local[:dim], size, local[dim] // size, *local[dim + 1 :])
-    return _from_groups(summed.movedim(1 + dim, 1).contiguous(), mesh, order)
+    return _from_groups(summed.movedim(1 + dim, 1), mesh, order)
 
 
 def all_to_all(
@@ -173,11 +175,10 @@ def all_to_all(
         groups = groups.reshape(rest, size, *local[:split], size, local[split] // size, *local[split + 1 :])
     swapped = groups.movedim(2 + split, 1)  # (rest, dst, src, *local without the block index)
     received = swapped.movedim(2, 2 + concat)
+    block = list(received.shape[2:])
     if tiled:
-        shape = list(received.shape)
-        shape[2 + concat : 2 + concat + 2] = [shape[2 + concat] * shape[3 + concat]]
-        received = received.reshape(shape)
-    return _from_groups(received.contiguous(), mesh, order)
+        block[concat : concat + 2] = [block[concat] * block[concat + 1]]
+    return _from_groups(received, mesh, order, block)
 
 
 def permute(
