@@ -306,6 +306,27 @@ def test_embedding_with_row_sharded_tables(table_spec):
     close(leaf.grad, expected)
 
 
+@pytest.mark.parametrize("rows", [11, 12])
+@pytest.mark.parametrize("table_spec", [fd.P(), fd.P("x"), fd.P(("y", "x")), fd.P(None, "y")])
+def test_embedding_gradients_even_and_uneven_tables(table_spec, rows):
+    """Even tables take the simulated mesh's one lookup over every device's table (a wrong
+    offset per device reads another device's rows); uneven ones the per-device form. First
+    and second derivatives against one device."""
+    mesh = fd.simulated_mesh((2, 3), ("x", "y"))
+    table = values((rows, 6), 2).double()
+    indices = torch.tensor([[0, rows - 1, 3, 6], [5, 5, 7, 11 % rows]])
+    leaf = table.clone().requires_grad_()
+    out = F.embedding(fd.distribute_tensor(indices, mesh, fd.P("x")), fd.distribute_tensor(leaf, mesh, table_spec))
+    weights = values((2, 4, 6), 3).double()
+    got = out.full_tensor()
+    close(got, F.embedding(indices, table))
+    (got_grad,) = torch.autograd.grad((got.sin() * weights).sum(), leaf, create_graph=True)
+    plain = table.clone().requires_grad_()
+    (want_grad,) = torch.autograd.grad((F.embedding(indices, plain).sin() * weights).sum(), plain, create_graph=True)
+    close(got_grad, want_grad)
+    close(torch.autograd.grad(got_grad.square().sum(), leaf)[0], torch.autograd.grad(want_grad.square().sum(), plain)[0])
+
+
 def test_attention_with_batch_and_heads_sharded():
     mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
     q, k, v = (values((2, 4, 5, 8), s) for s in (1, 2, 3))
