@@ -315,16 +315,22 @@ def test_embedding_gradients_even_and_uneven_tables(table_spec, rows):
     mesh = fd.simulated_mesh((2, 3), ("x", "y"))
     table = values((rows, 6), 2).double()
     indices = torch.tensor([[0, rows - 1, 3, 6], [5, 5, 7, 11 % rows]])
-    leaf = table.clone().requires_grad_()
-    out = F.embedding(fd.distribute_tensor(indices, mesh, fd.P("x")), fd.distribute_tensor(leaf, mesh, table_spec))
     weights = values((2, 4, 6), 3).double()
-    got = out.full_tensor()
-    close(got, F.embedding(indices, table))
-    (got_grad,) = torch.autograd.grad((got.sin() * weights).sum(), leaf, create_graph=True)
-    plain = table.clone().requires_grad_()
-    (want_grad,) = torch.autograd.grad((F.embedding(indices, plain).sin() * weights).sum(), plain, create_graph=True)
-    close(got_grad, want_grad)
-    close(torch.autograd.grad(got_grad.square().sum(), leaf)[0], torch.autograd.grad(want_grad.square().sum(), plain)[0])
+
+    def first_and_second(lookup, table):
+        leaf = table.clone().requires_grad_()
+        out = lookup(leaf)
+        (grad,) = torch.autograd.grad((out.sin() * weights).sum(), leaf, create_graph=True)
+        (second,) = torch.autograd.grad(grad.square().sum(), leaf)
+        return out.detach(), grad.detach(), second
+
+    def sharded(t):
+        di, dt = fd.distribute_tensor(indices, mesh, fd.P("x")), fd.distribute_tensor(t, mesh, table_spec)
+        return F.embedding(di, dt).full_tensor()
+
+    want = first_and_second(lambda t: F.embedding(indices, t), table)
+    for got, expected in zip(first_and_second(sharded, table), want):
+        close(got, expected)
 
 
 def test_attention_with_batch_and_heads_sharded():
