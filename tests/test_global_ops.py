@@ -375,6 +375,21 @@ def test_methods_and_properties():
     assert d.clone().placements == d.placements and not d.detach().requires_grad
 
 
+def test_to_its_own_dtype_and_device_is_the_value():
+    """As torch's: ``.to`` that converts nothing returns the value itself (one dispatch less
+    for the no-op conversions model code is full of); ``copy=True`` and a new dtype convert."""
+    mesh = fd.simulated_mesh(2, "x")
+    d = fd.distribute_tensor(values((4, 3), 1).requires_grad_(), mesh, fd.P("x"))
+    for same in (d.to(d.dtype), d.to(dtype=d.dtype), d.to("cpu", d.dtype), d.to(device="cpu"), d.to()):
+        assert same is d
+    copied = d.to(d.dtype, copy=True)
+    assert copied is not d and torch.equal(copied.full_tensor(), d.full_tensor())
+    half = d.to(torch.float16)
+    assert half.dtype == torch.float16 and half.placements == d.placements
+    (grad,) = torch.autograd.grad(half.float().sum().full_tensor(), d)
+    assert grad.dtype == d.dtype and torch.equal(grad.full_tensor(), torch.ones(4, 3, dtype=d.dtype))
+
+
 # --- both backends -------------------------------------------------------------------------------
 
 

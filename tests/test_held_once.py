@@ -176,6 +176,55 @@ def test_chains_of_ops_on_held_values_equal_one_device(shape, ops, seed):
     assert_close(got, want)
 
 
+def _held_over_tp(x, mesh, spec_dp):
+    """``x`` laid out by ``spec_dp`` over ``dp`` and held once over ``tp`` (reduced into it)."""
+    parts = fd.distribute_tensor(x, mesh, [spec_dp, fd.Partial()])
+    held = parts.redistribute(placements=[spec_dp, R])
+    assert held_of(held) is not None
+    return held
+
+
+@pytest.mark.parametrize("lookup", ["gather", "embedding"])
+@pytest.mark.parametrize("split", [False, True], ids=["along a whole dim", "along a split dim"])
+def test_lookups_on_held_values_equal_one_device(lookup, split):
+    """A lookup on values held once over ``tp``: along a whole dim every held block looks up
+    alike, one batched op for all (no per-block loop: no stack of blocks in its graph); along a
+    dim split over ``dp`` each device's indices are offset by its block's start, block by
+    block. Values and first and second derivatives against one device."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    x = values((6, 8), 1).requires_grad_()
+    if lookup == "gather":
+        dim = 0 if split else 1
+        index = torch.randint(x.shape[dim], (6, 3), generator=torch.Generator().manual_seed(2))
+        spec_x, spec_index = S(0), S(0) if not split else R
+
+        def program(x, index):
+            return torch.gather(x, dim, index)
+    else:  # the table: x; along its split rows, or rows whole (columns split)
+        index = torch.tensor([[0, 5, 3], [2, 2, 4]])
+        spec_x, spec_index = (S(0), R) if split else (S(1), R)
+
+        def program(x, index):
+            return F.embedding(index, x)
+
+    def first_and_second(out_of, x):
+        out = out_of(x)
+        weights = values(out.shape, 3)
+        (first,) = torch.autograd.grad((out.sin() * weights).sum(), x, create_graph=True)
+        (second,) = torch.autograd.grad(first.square().sum(), x)
+        return out.detach(), first.detach(), second
+
+    def sharded(x):
+        held = _held_over_tp(x, mesh, spec_x)
+        out = program(held, fd.distribute_tensor(index, mesh, [spec_index, R]))
+        if not split:
+            assert held_of(out) is not None and "Stack" not in type(held_of(out).grad_fn).__name__
+        return out.full_tensor()
+
+    want = first_and_second(lambda x: program(x, index), x)
+    assert_close(first_and_second(sharded, x), want)
+
+
 class _Head(torch.nn.Module):
     """An embedding and a vocabulary head gathered over ``tp`` (transformers' ``lm_head``
     plan), a norm on the gathered logits and a loss: the gathered value is varied over ``tp``

@@ -37,7 +37,7 @@ def run_local(local, batched: str | None, func, args, kwargs, ctx, storages, hel
     ``args``/``kwargs``, in the decision's order (None: every tensor among ``args``).
     ``held``: the storages are the blocks held once by this plan (``ctx.held``), one per
     distinct block, and so is the output."""
-    if ctx.even and batched is not None and (held is None or batched not in _BY_DEVICE):
+    if ctx.even and batched is not None and (held is None or not _offsets_by_device(batched, ctx)):
         if batched == "leading":
             return local(func, args, kwargs, ctx)
         out = FORMS[batched](local, func, args, kwargs, ctx)
@@ -86,9 +86,15 @@ def per_device(local, func, args, kwargs, ctx, storages, devices=None):
     return type(first)(*outs) if hasattr(first, "_fields") else type(first)(outs)
 
 
-#: batched forms that index the device dim by device (offsets per device): on held blocks the
-#: op runs block by block instead
-_BY_DEVICE = frozenset(["embedding", "gather"])
+def _offsets_by_device(batched: str, ctx) -> bool:
+    """Whether a lookup's batched form offsets each device's indices by where its block starts
+    (it looks up along a split dim): on held blocks, one per distinct block, the op runs block
+    by block instead. Along a whole dim the lookup is the same on every block."""
+    if batched == "gather":
+        return bool(ctx.decision.inputs[0].sharding_axes(ctx.decision.call.params[0]))
+    if batched == "embedding":
+        return bool(ctx.decision.inputs[1].sharding_axes(0))
+    return False
 
 
 def _stacked(blocks: list[torch.Tensor], layout, shape) -> torch.Tensor:

@@ -198,7 +198,10 @@ def _to(func, args, kwargs, ctx):
 
     rest = [v for v in args[1:] if not here(v)]
     kwargs = {k: v for k, v in kwargs.items() if not (k == "device" and here(v))}
-    return dispatch(_to_on_mesh, (x, *rest), kwargs, _TO_ON_MESH) if rest or kwargs else x
+    dtypes = [v for v in (*rest, kwargs.get("dtype")) if isinstance(v, torch.dtype)]
+    if len(dtypes) == len(rest) + len(kwargs) and all([d == x.dtype for d in dtypes]):
+        return x  # nothing to convert: the value itself, as torch's (an fd.DTensor is immutable)
+    return dispatch(_to_on_mesh, (x, *rest), kwargs, _TO_ON_MESH)
 
 
 register(
