@@ -131,6 +131,28 @@ class Backend:
             self.count("reduce_scatter", axes, held, mesh.axis_size(axes))
         return self._kernels.slice_held(held, grid, mesh, axes, dim)
 
+    def count_gathered(self, gathered, mesh: DeviceMesh, axes: tuple[str, ...], summed, transposed):
+        """Count what :meth:`all_gather_held` (``transposed``: :meth:`slice_held`) counts, for
+        held blocks that a product wrote gathered already (:meth:`gathered_linear`)."""
+        size = mesh.axis_size(axes)
+        if transposed:
+            if summed:
+                self.count("reduce_scatter", axes, gathered, size)
+        else:
+            per_device = gathered.numel() // max(gathered.shape[0], 1) // size * gathered.element_size()
+            self.count_bytes("all_gather", axes, per_device, size)
+
+    def gathered_linear(self, x_held, weight, mesh: DeviceMesh, axis: str):
+        """A column-parallel linear's product and the all-gather of its output over ``axis`` at
+        once, from the input's blocks held once over ``axis`` (a backend that holds replicas
+        once; see :func:`._simulated.batched.gathered_linear`). Nothing is counted here."""
+        return simulated_batched.gathered_linear(x_held, weight, mesh, axis)
+
+    def end_to_end(self, rows, mesh: DeviceMesh, axis: str):
+        """Every device's rows laid end to end along ``axis`` (the gathered bias of
+        :meth:`gathered_linear`)."""
+        return simulated_batched.end_to_end(rows, mesh, axis)
+
     def count_held_psum(self, held, mesh: DeviceMesh, axes: tuple[str, ...]) -> None:
         """Count the all-reduce of a held cotangent's parts that the distributed backend runs
         (a held one is their sum already)."""

@@ -62,7 +62,7 @@ from ._plan import (
 )
 from ._sharding import shard_table
 
-__all__ = ["redistribute", "gather_varied", "layout_key", "layout_of_key"]
+__all__ = ["redistribute", "gather_varied", "HeldAllGather", "layout_key", "layout_of_key"]
 
 
 def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
@@ -117,7 +117,7 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     cotangent, as a Partial value's, not its share) or one all-gather over one axis of even
     blocks moves it, and its blocks are large (:func:`_held_move`): each distinct result
     computed and written once, not once per device. The gradients are the transposes, counted
-    as the distributed backend's communicate (:class:`_HeldAllReduce`, :class:`_HeldAllGather`).
+    as the distributed backend's communicate (:class:`_HeldAllReduce`, :class:`HeldAllGather`).
     The result is varied over ``axes`` (see :mod:`._varied`). None where it does not apply."""
     mesh = target.mesh
     if torch.compiler.is_compiling():
@@ -144,7 +144,7 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
         out = autograd.apply(_HeldAllReduce, held, grid, mesh, step.names, False)
     else:
         dim, summed = source.placements[step.axes[0]].dim, step.names[0] in axes
-        out = autograd.apply(_HeldAllGather, held, grid, mesh, step.names, dim, summed, False)
+        out = autograd.apply(HeldAllGather, held, grid, mesh, step.names, dim, summed, False, True)
     return new_held(varied.mark(out, axes), target, shape, frozenset(axes))
 
 
@@ -207,14 +207,19 @@ class _HeldAllReduce(torch.autograd.Function):
 
 
 @autograd.compilable
-class _HeldAllGather(torch.autograd.Function):
+class HeldAllGather(torch.autograd.Function):
     """Shards made Replicate over one axis on held blocks, or (``transposed``) its transpose:
     each device's slice (``summed``, of a varied value, counted as the reduce-scatter of the
-    parts the distributed backend runs). Backward: the other one."""
+    parts the distributed backend runs). ``moved`` False: the blocks are gathered already (a
+    product written gathered, :mod:`._gathered_linear`), counted the same and left as they are.
+    Backward: the other one."""
 
     @staticmethod
-    def forward(held, grid, mesh, names, dim, summed, transposed):
+    def forward(held, grid, mesh, names, dim, summed, transposed, moved):
         backend = backend_of(mesh)
+        if not moved:
+            backend.count_gathered(held, mesh, names, summed, transposed)
+            return held.view_as(held)
         if transposed:
             return backend.slice_held(held, grid, mesh, names, dim, summed)
         return backend.all_gather_held(held, grid, mesh, names, dim)
@@ -225,12 +230,13 @@ class _HeldAllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        *args, transposed = ctx.args
-        return autograd.apply(_HeldAllGather, g, *args, not transposed), None, None, None, None, None, None
+        *args, transposed, moved = ctx.args
+        back = autograd.apply(HeldAllGather, g, *args, not transposed, moved)
+        return back, None, None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return autograd.apply(_HeldAllGather, t, *ctx.args)
+        return autograd.apply(HeldAllGather, t, *ctx.args)
 
 
 def gather_varied(x: DTensor, placements: PlacementsOrSpec, axes: tuple[str, ...]) -> DTensor:

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import _varied as varied
+from ._backend import backend_of
 from ._dtensor import DTensor, distribute_tensor, new_value, storage_of
 from ._errors import InputTypeError, LayoutError, explain
+from ._gathered_linear import gathered_linear
 from ._global_ops import implicit_replication
 from ._layout import Layout
 from ._mesh import DeviceMesh
@@ -30,7 +34,7 @@ from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
 from ._redistribute import gather_varied, redistribute
 from ._spec import P
-from ._styles import FullyShard, ReplicateParallel
+from ._styles import ColwiseParallel, FullyShard, ReplicateParallel
 
 __all__ = ["ShardedModule", "build_sharded_module"]
 
@@ -204,6 +208,8 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
             wanted_out = style.outputs(sub)
             if wanted_out is not None:
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
+            if _gathers_linear(style, sub) and backend_of(mesh).holds_replicas_once:
+                sub.forward = functools.partial(_gathered_linear_forward, sub, style.axis)
     for unit, names in managed.items():
         axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
         hook = _gather_hook(names, places, mesh, axis)
@@ -258,6 +264,21 @@ def _output_hook(mesh, axis, wanted, where):
         return _on_axis(output, mesh, axis, wanted[0], where)
 
     return hook
+
+
+def _gathers_linear(style, module: nn.Module) -> bool:
+    """Whether ``style`` gathers the output of ``module``, an ``nn.Linear`` split by its output
+    features: a column-parallel linear computed gathered at once where its input is held once
+    (see :func:`._gathered_linear.gathered_linear`)."""
+    gathers = isinstance(style, ColwiseParallel) and style.output_layouts.is_replicate()
+    return gathers and type(module) is nn.Linear
+
+
+def _gathered_linear_forward(module: nn.Linear, axis: str, input):
+    """``nn.Linear.forward``, its product and the style's gather of it at once where that
+    applies (the output hook finds it gathered already)."""
+    out = gathered_linear(input, module.weight, module.bias, axis)
+    return F.linear(input, module.weight, module.bias) if out is None else out
 
 
 def _gather_hook(names, places, mesh, axis):

@@ -37,6 +37,7 @@ __all__ = [
     "marked_storage",
     "invariant_value",
     "pvaried_held",
+    "pvary_held",
     "pvaried_stacked",
     "mark",
     "pvaried",
@@ -89,9 +90,14 @@ def pvaried_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) ->
     entry = PVARIED.get(key)
     if entry is not None and entry[0] is held:
         return entry[1]
-    out = autograd.apply(_HeldPvary, held, mesh, axes, False)
+    out = pvary_held(held, mesh, axes)
     PVARIED[key] = (held, out)
     return out
+
+
+def pvary_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
+    """Held blocks through ``pvary`` over ``axes`` (as :func:`pvaried_held`), for one use."""
+    return autograd.apply(_HeldPvary, held, mesh, axes, False)
 
 
 def pvaried_stacked(x: DTensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:

@@ -44,6 +44,7 @@ FLOORS = {
         "_varied",
         "_shard_map",
         "_redistribute",
+        "_gathered_linear",
         "_local_map",
         "_fallback",
         "_op_decisions",

@@ -275,6 +275,68 @@ def test_a_gathered_head_under_data_parallelism_equals_one_device(unit):
     assert_close(got["second"], list(second))
 
 
+class _SubclassedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` of a subclass: its forward is its own, so a gathering style leaves the
+    product and its all-gather apart."""
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("unit", ["replicate", "fully_shard", "none"])
+@pytest.mark.parametrize("shape", [(2, 2), (4,), (3, 2)], ids=str)
+def test_a_gathered_linear_is_one_product_of_the_held_input(monkeypatch, shape, unit, bias):
+    """A column-parallel ``nn.Linear`` whose output the style gathers (transformers'
+    ``lm_head``), on an input held once over the axis: computed gathered at once, with no
+    all-gather's copy forward and no cut of the cotangent backward. The same loss, first and
+    second derivatives and recorded communication as the product and the all-gather apart (a
+    subclass's forward), and one device's values."""
+    from functional_dtensor._simulated import kernels
+
+    if unit != "none" and len(shape) == 1:
+        pytest.skip("data parallelism needs a data axis")
+    names = ("dp", "tp")[-len(shape) :]
+    mesh = fd.simulated_mesh(shape, names)
+    copies = []
+    for name in ("all_gather_held", "slice_held"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: copies.append(_n) or _k(*a))
+
+    def run(linear_type):
+        torch.manual_seed(0)
+        width = 2 * shape[-1]  # a column-parallel and a row-parallel layer: its output held once
+        layers = [torch.nn.Linear(6, width), torch.nn.Linear(width, 6), torch.nn.LayerNorm(6)]
+        model = torch.nn.Sequential(*layers, linear_type(6, 4 * shape[-1], bias=bias)).double()
+        x = values((2 * shape[0], 3, 6), 1)
+        plan = {"0": "colwise", "1": "rowwise", "3": "colwise_gather_output"}
+        if unit != "none":
+            plan[""] = fd.ReplicateParallel("dp") if unit == "replicate" else fd.FullyShard("dp")
+        sharded = fd.parallelize_module(model, mesh, plan)
+        params = list(sharded.params.values())
+        copies.clear()
+        with fd.CommDebugMode() as comm:
+            y = sharded.apply(sharded.params, fd.distribute_tensor(x, mesh, fd.P(*names[:-1])))
+            loss = (y.sin() * y).sum().full_tensor()
+            first, second = gradients(loss, params)
+        plain = model(x)
+        want = gradients((plain.sin() * plain).sum(), list(model.parameters()))
+        return {
+            "loss": loss,
+            "first": [g.full_tensor() for g in first],
+            "second": [g.full_tensor() for g in second],
+            "comm": events(comm),
+            "copies": list(copies),
+            "one device": (plain, want),
+        }
+
+    fused, apart = run(torch.nn.Linear), run(_SubclassedLinear)
+    assert fused["copies"] == [] and {"all_gather_held", "slice_held"} <= set(apart["copies"])
+    plain, (first, second) = fused.pop("one device")
+    apart.pop("one device"), fused.pop("copies"), apart.pop("copies")
+    assert_each_equals([fused], apart)
+    assert_close(fused["loss"], (plain.sin() * plain).sum())
+    assert_close(fused["first"], list(first))
+    assert_close(fused["second"], list(second))
+
+
 def _head_job(mesh):
     out = head_program(mesh, "replicate")
     del out["one device"]
