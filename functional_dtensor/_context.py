@@ -15,7 +15,7 @@ from typing import Any
 from ._errors import AxisNameError, InputTypeError, explain
 from ._mesh import DeviceMesh
 
-__all__ = ["Frame", "bound_axes", "current_frame", "frame_for"]
+__all__ = ["Frame", "bound_axes", "current_frame", "frame_stack", "frame_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,13 @@ _local = _Frames()
 
 
 def _stack() -> list[Frame]:
+    return _local.frames
+
+
+def frame_stack() -> list[Frame]:
+    """This thread's frames in progress, innermost last: a caller that binds a frame appends it
+    and pops it after, as :class:`bound_axes` does (``shard_map``'s warm call, without the
+    context manager's calls)."""
     return _local.frames
 
 

@@ -135,24 +135,24 @@ def over_devices(per_device, size: int, in_dims, inputs):
     functorch's batching primitives called directly (the inputs are flat already: vmap's pytree
     handling is pure overhead). ``per_device`` receives the vmap's level first. Outputs not
     batched over the devices come back as they are; returns the outputs and whether each was
-    batched."""
-    if torch.compiler.is_compiling():  # the context manager Dynamo traces
+    batched. Eagerly the primitives are called as they are: a warm ``shard_map`` call pays for
+    each Python frame around them."""
+    if torch.compiler.is_compiling():  # the context manager and wrappers Dynamo traces
         with vmap_increment_nesting(size, "different") as level:
-            return _at_level(level, per_device, size, in_dims, inputs)
+            outputs = per_device(
+                level, *[v if d is None else add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
+            )
+            batched = [v is not None and level_of(v) == level for v in outputs]
+            return [remove_batch_dim(v, level, size) if b else v for v, b in zip(outputs, batched)], batched
     level = _vmap_increment_nesting(size, "different")
     try:
-        return _at_level(level, per_device, size, in_dims, inputs)
+        outputs = per_device(
+            level, *[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
+        )
+        batched = [v is not None and maybe_get_level(v) == level for v in outputs]
+        return [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)], batched
     finally:
         _vmap_decrement_nesting()
-
-
-def _at_level(level: int, per_device, size: int, in_dims, inputs):
-    """The body of :func:`over_devices`, inside the vmap at ``level``."""
-    outputs = per_device(
-        level, *[v if d is None else add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
-    )
-    batched = [v is not None and level_of(v) == level for v in outputs]
-    return [remove_batch_dim(v, level, size) if b else v for v, b in zip(outputs, batched)], batched
 
 
 lazy_load_decompositions()  # the Python decompositions vmap needs for some ops (as vmap loads them)

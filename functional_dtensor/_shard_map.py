@@ -32,7 +32,7 @@ from . import _log as log
 from ._backend import backend_of, memory_of
 from ._cache import Bounded, cached
 from ._collectives import Pvary, SplitCotangent, VaryHeldOnce, on_storage, pvary
-from ._context import Frame, bound_axes, current_frame
+from ._context import Frame, frame_stack
 from ._dtensor import (
     TORCH_DTENSOR_FIX,
     DTensor,
@@ -224,7 +224,8 @@ def _log_plan(m: _Mapping, what: str, plan: _Plan) -> None:
 
 
 def _run(m: _Mapping, args):
-    if current_frame() is not None:
+    frames = frame_stack()
+    if frames:
         raise FunctionalDTensorError(
             explain(
                 "fd.shard_map",
@@ -257,7 +258,8 @@ def _run(m: _Mapping, args):
 
     def per_device(level, device_level, *local_leaves):
         frame, mode = m.frame(level, device_level, compiling)
-        with bound_axes(frame):
+        frames.append(frame)  # the axes bound while the function runs
+        try:
             if m.check_rep:
                 local_leaves = [
                     v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes)
@@ -281,6 +283,8 @@ def _run(m: _Mapping, args):
                 v if lay is None else m.backend.leave(v, lay.is_replicated, frame)
                 for v, lay in zip(flat, layouts)
             ]
+        finally:
+            frames.pop()
         exits[:] = [layouts, tree]  # vmap returns tensors only: the layouts come back this way
         return tuple(flat)
 

@@ -243,8 +243,8 @@ def ops_mode(frame):
 def leave(value, replicated: bool, frame):
     """An output of the per-device function, as the device vmap returns it: a replicated
     output that is the same on every device (``check_rep``) stays one value."""
-    if not isinstance(value, torch.Tensor):
-        return value
+    if not isinstance(value, torch.Tensor) or level_of(value) == frame.device_level:
+        return value  # (the common case: an output per device already)
     if frame.check_rep and replicated:
         return value
     return on_devices(value, frame)
