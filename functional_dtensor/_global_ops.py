@@ -38,6 +38,7 @@ from ._dtensor import (
     data_of,
     distribute_tensor,
     held_of,
+    held_varied,
     new_held,
     new_value,
     new_value_eager,
@@ -129,15 +130,19 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
     # the common case, flat arguments: one pass checks them, builds the key and the local arguments
     key = [func]
     local = []
-    held = False
+    held = varies = False
     for value in args:
         kind = type(value)
         if kind is DTensor:
             storage = held_of(value)
             if storage is None:
                 storage, layout, shape = parts_of(value)
+                if _VARIED:  # (see _varied_inputs)
+                    entry = _VARIED.get(id(storage))
+                    varies = varies or entry is not None and entry[0] is storage
             else:  # held once (see _held_locals)
                 layout, shape, held = value.sharding, value.shape, True
+                varies = varies or bool(_VARIED and held_varied(value))
             key += (layout, shape, storage.dtype)
             local.append(storage)
         elif kind in _FLAT or kind is tuple and all([type(n) is int for n in value]):
@@ -153,9 +158,8 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
     if (
         decision is None
         or not decision.direct
-        or decision.pvary_any
+        or (decision.pvary_any or varies)  # (an input varied: see _varied_inputs)
         and torch.is_grad_enabled()
-        or _VARIED  # a data-parallel forward runs (one dict's truth: the cost when none does)
     ):
         return _dispatch_tree(func, handler, args, {})
     ctx = decision.context
