@@ -26,6 +26,7 @@ from typing import Any, TypeAlias, overload
 
 import optree
 import torch
+from torch._C import _pop_torch_function_stack, _push_on_torch_function_stack
 from torch.overrides import TorchFunctionMode
 
 from . import _log as log
@@ -41,6 +42,7 @@ from ._dtensor import (
     distribute_storage,
     gather_storage,
     new_value,
+    parts_of,
     storage_of,
 )
 from ._errors import FunctionalDTensorError, ImmutableError, InputTypeError, MeshError, SpecError, explain
@@ -273,10 +275,11 @@ def _run(m: _Mapping, args):
                     outputs = m.f(*local_args)
             else:
                 mode.inputs, mode.paths = inputs, plan.paths
+                _push_on_torch_function_stack(mode)  # ``with mode:``, without its Python frames
                 try:
-                    with mode:
-                        outputs = m.f(*local_args)
+                    outputs = m.f(*local_args)
                 finally:
+                    _pop_torch_function_stack()
                     mode.inputs = mode.paths = ()  # (not held past the call)
             flat, layouts, tree = _leave(m, outputs, compiling)
             flat = [
@@ -300,24 +303,23 @@ def _run(m: _Mapping, args):
         if not is_batched:  # the same on every device, held once
             values.append(DTensor(distribute_storage(storage, layout), layout, storage.shape))
         else:
-            shape = _global_shape(layout, m.backend.block_shape(storage), compiling)
+            shape = None if compiling else _GLOBAL_SHAPES.get((layout, storage.shape))
+            if shape is None:
+                shape = _global_shape(layout, m.backend.block_shape(storage), storage.shape, compiling)
             if not m.check_rep and not layout.is_fully_sharded:
                 storage = on_storage(storage, m.mesh, SplitCotangent, _replica_axes(layout))
             values.append(new_value(storage, layout, shape))
     return tree.unflatten(values)
 
 
-#: (layout, block shape) -> the global shape of even blocks
+#: (layout, the storage's shape) -> the global shape of its even blocks
 _GLOBAL_SHAPES = Bounded(1024, "shard_map: global shapes of outputs")
 
 
-def _global_shape(layout: Layout, block_shape: tuple[int, ...], compiling: bool) -> torch.Size:
-    if compiling:
-        return torch.Size(global_shape_of_even_local(layout, block_shape))
-    shape = _GLOBAL_SHAPES.get((layout, block_shape))
-    if shape is None:
-        shape = torch.Size(global_shape_of_even_local(layout, block_shape))
-        _GLOBAL_SHAPES[layout, block_shape] = shape
+def _global_shape(layout: Layout, block_shape: tuple[int, ...], storage_shape, compiling: bool) -> torch.Size:
+    shape = torch.Size(global_shape_of_even_local(layout, block_shape))
+    if not compiling:
+        _GLOBAL_SHAPES[layout, storage_shape] = shape
     return shape
 
 
@@ -327,13 +329,18 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value, compiling: bool):
     every device once, a replicated argument enters as one value."""
     mesh, backend, check_rep = m.mesh, m.backend, m.check_rep
     if isinstance(value, DTensor):
-        key = None if compiling else (value.sharding, value.shape)  # (unhashable there)
+        if compiling:  # (Dynamo traces the properties)
+            storage, own, shape = storage_of(value), value.sharding, value.shape
+        else:  # one call for a warm call's inputs
+            storage, own, shape = parts_of(value)
+        key = None if compiling else (own, shape)  # (unhashable there)
         layout = None if key is None else plan.layouts[i].get(key)
         if layout is None:
-            layout = _checked_layout(mesh, plan, i, value.sharding, value.shape)
+            layout = _checked_layout(mesh, plan, i, own, shape)
             if key is not None:
                 plan.layouts[i][key] = layout
-        storage = storage_of(value)
+        if storage is None:  # held once: made from its blocks
+            storage = storage_of(value)
         if layout.is_replicated and backend.holds_replicas_once:
             return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
     elif isinstance(value, (bool, int, float, complex)) and not plan.specs[i]:  # spec P(): 0-d (as JAX)
