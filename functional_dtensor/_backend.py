@@ -149,9 +149,9 @@ class Backend:
         return simulated_batched.gathered_linear(x_held, weight, mesh, axis)
 
     def end_to_end(self, rows, mesh: DeviceMesh, axis: str):
-        """Every device's rows laid end to end along ``axis`` (the gathered bias of
-        :meth:`gathered_linear`)."""
-        return simulated_batched.end_to_end(rows, mesh, axis)
+        """Every device's rows laid end to end along ``axis``, one per position along the other
+        axes (the gathered bias of :meth:`gathered_linear`; not counted)."""
+        return self._kernels.all_gather_held(rows, mesh.shape, mesh, (axis,), 0)
 
     def count_held_psum(self, held, mesh: DeviceMesh, axes: tuple[str, ...]) -> None:
         """Count the all-reduce of a held cotangent's parts that the distributed backend runs

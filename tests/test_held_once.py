@@ -289,16 +289,16 @@ def test_a_gathered_linear_is_one_product_of_the_held_input(monkeypatch, shape, 
     all-gather's copy forward and no cut of the cotangent backward. The same loss, first and
     second derivatives and recorded communication as the product and the all-gather apart (a
     subclass's forward), and one device's values."""
-    from functional_dtensor._simulated import kernels
+    from functional_dtensor._backend import Backend
 
     if unit != "none" and len(shape) == 1:
         pytest.skip("data parallelism needs a data axis")
     names = ("dp", "tp")[-len(shape) :]
     mesh = fd.simulated_mesh(shape, names)
     copies = []
-    for name in ("all_gather_held", "slice_held"):
-        kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: copies.append(_n) or _k(*a))
+    for name in ("all_gather_held", "slice_held"):  # the held all-gather's moves, both ways
+        move = getattr(Backend, name)
+        monkeypatch.setattr(Backend, name, lambda *a, _m=move, _n=name: copies.append(_n) or _m(*a))
 
     def run(linear_type):
         torch.manual_seed(0)

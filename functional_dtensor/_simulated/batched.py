@@ -27,6 +27,7 @@ from .._blocks import pad
 from .._cache import cached
 from .._op_args import quiet_if
 from .._sharding import shard_table
+from . import kernels
 
 __all__ = ["run_local", "per_device", "PER_DEVICE_KERNEL"]
 
@@ -178,20 +179,13 @@ def gathered_linear(x_held, weight, mesh, axis: str) -> torch.Tensor:
     """``x @ weight.T`` of a linear split by its output features over ``axis`` and then gathered
     over it, at once: ``x_held`` the input's blocks held once over ``axis`` (one per position
     along the other axes), ``weight`` every device's rows (stacked). Each held block meets the
-    rows of its devices along ``axis`` end to end (:func:`end_to_end`), so one product per block
-    writes the gathered output's held blocks. The product's gradient of the held input is the
-    sum of the devices' parts over ``axis``."""
-    out = _bmm(x_held.reshape(x_held.shape[0], -1, x_held.shape[-1]), end_to_end(weight, mesh, axis).mT)
+    rows of its devices along ``axis`` end to end (the held all-gather's kernel: a view where
+    ``axis`` is the mesh's last), so one product per block writes the gathered output's held
+    blocks. The product's gradient of the held input is the sum of the devices' parts over
+    ``axis``."""
+    rows = kernels.all_gather_held(weight, mesh.shape, mesh, (axis,), 0)
+    out = _bmm(x_held.reshape(x_held.shape[0], -1, x_held.shape[-1]), rows.mT)
     return out.reshape(*x_held.shape[:-1], out.shape[-1])
-
-
-def end_to_end(rows: torch.Tensor, mesh, axis: str) -> torch.Tensor:
-    """Every device's rows (stacked, ``(devices, n, ...)``) laid end to end along ``axis``:
-    ``(devices // size, size * n, ...)``, one per position along the other axes (a view where
-    ``axis`` is the mesh's last)."""
-    position, size = mesh.axis_position(axis), mesh.axis_size(axis)
-    grid = rows.reshape(*mesh.shape, *rows.shape[1:]).movedim(position, mesh.ndim - 1)
-    return grid.reshape(mesh.size // size, size * rows.shape[1], *rows.shape[2:])
 
 
 def mm(local, func, args, kwargs, ctx):
