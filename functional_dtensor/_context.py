@@ -40,10 +40,6 @@ class _Frames(threading.local):
 _local = _Frames()
 
 
-def _stack() -> list[Frame]:
-    return _local.frames
-
-
 def frame_stack() -> list[Frame]:
     """This thread's frames in progress, innermost last: a caller that binds a frame appends it
     and pops it after, as :class:`bound_axes` does (``shard_map``'s warm call, without the
@@ -60,7 +56,7 @@ class bound_axes:
         self.frame = frame
 
     def __enter__(self) -> Frame:
-        _stack().append(self.frame)
+        frame_stack().append(self.frame)
         return self.frame
 
     def __exit__(self, *exc) -> None:
@@ -68,7 +64,7 @@ class bound_axes:
 
 
 def current_frame() -> Frame | None:
-    frames = _stack()
+    frames = frame_stack()
     return frames[-1] if frames else None
 
 

@@ -342,7 +342,7 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value, compiling: bool):
         if storage is None:  # held once: made from its blocks
             storage = storage_of(value)
         if layout.is_replicated and backend.holds_replicas_once:
-            return _replicated(gather_storage(storage, layout, tuple(value.shape)), mesh, check_rep), False
+            return _replicated(gather_storage(storage, layout, tuple(shape)), mesh, check_rep), False
     elif isinstance(value, (bool, int, float, complex)) and not plan.specs[i]:  # spec P(): 0-d (as JAX)
         return _enter(m, plan, i, torch.tensor(value), compiling)
     elif isinstance(value, torch.Tensor):
