@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 
 from . import _comm_log as comm_log
+from ._cache import cached
 from ._distributed import engine as distributed_engine
 from ._distributed import kernels as distributed_kernels
 from ._distributed import runtime as distributed_runtime
@@ -390,8 +391,14 @@ class Backend:
         the value."""
         if not self.stacked:
             return storage
-        grid = storage.reshape(*layout.mesh.shape, *storage.shape[1:])
-        return grid[tuple(slice(0, 1) if p.is_replicate() else slice(None) for p in layout.placements)]
+        return storage.reshape(*layout.mesh.shape, *storage.shape[1:])[_distinct_index(layout)]
+
+
+@cached(1024)
+def _distinct_index(layout: Layout) -> tuple[slice, ...]:
+    """The index of a stacked storage's grid that :meth:`Backend.distinct` reads: coordinate 0
+    of the replicated axes, all of the others."""
+    return tuple([slice(0, 1) if p.is_replicate() else slice(None) for p in layout.placements])
 
 
 def _agreed_shape(infos, layout: Layout, shape, run_check: bool, where: str) -> tuple[int, ...]:

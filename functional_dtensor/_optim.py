@@ -36,7 +36,7 @@ import optree
 import torch
 
 from ._backend import backend_of
-from ._dtensor import DTensor, new_value, storage_of, without_partial
+from ._dtensor import DTensor, new_value, parts_of, storage_of, without_partial
 from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
 from ._layout import Layout
 from ._placements import Partial, Replicate
@@ -231,6 +231,11 @@ class Optimizer(torch.optim.Optimizer):
             )
         out = []
         for path, leaf, (layout, shape, _) in zip(self._paths, leaves, self._layouts):
+            if type(leaf) is DTensor:
+                _, own, own_shape = parts_of(leaf)
+                if own is layout and own_shape == shape:  # (the common case: as made)
+                    out.append(leaf)
+                    continue
             if leaf is None and allow_none:
                 out.append(None)
                 continue

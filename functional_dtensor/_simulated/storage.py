@@ -275,12 +275,22 @@ def materialize(layout: Layout, global_shape: tuple[int, ...], make_blocks) -> t
     distinct shard (:func:`.._blocks.distinct_shards`); padding zeroed, Partial axes
     partitioned as :func:`distribute` does."""
     mesh = layout.mesh
-    sizes, padded = blocks.distinct_shards(layout, global_shape)
+    sizes, padded, plain = _grid_of(layout, tuple(global_shape))
     grid = make_blocks((*sizes, *padded), None).expand(*mesh.shape, *padded)
+    if plain:
+        return grid.reshape(mesh.size, *padded)
     storage = blocks.partition_partial(grid, layout).reshape(mesh.size, *padded)
     if not shard_table(layout, global_shape).is_even:
         storage = storage * blocks.valid_mask(layout, global_shape, str(storage.device))
     return storage
+
+
+@cached(1024)
+def _grid_of(layout: Layout, global_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """The grid of :func:`materialize` (:func:`.._blocks.distinct_shards`), and whether its
+    blocks are the storage's as they are: no Partial axis to partition, no padding to zero."""
+    sizes, padded = blocks.distinct_shards(layout, global_shape)
+    return sizes, padded, not layout.has_partial and shard_table(layout, global_shape).is_even
 
 
 def saved(storage: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, None]:
