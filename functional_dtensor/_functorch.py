@@ -133,24 +133,32 @@ def below_current_level(fn, *args):
 def over_devices(per_device, size: int, in_dims, inputs):
     """``torch.func.vmap(per_device, in_dims, randomness="different")(*inputs)`` with
     functorch's batching primitives called directly (the inputs are flat already: vmap's pytree
-    handling is pure overhead). ``per_device`` receives the vmap's level first. Outputs not
-    batched over the devices come back as they are; returns the outputs and whether each was
-    batched. Eagerly the primitives are called as they are: a warm ``shard_map`` call pays for
-    each Python frame around them."""
+    handling is pure overhead). ``per_device`` receives the vmap's level twice first, as the
+    level the function runs at and as the level of the device vmap (the simulated engine's
+    ``run_per_device`` protocol). Outputs not batched over the devices come back as they are;
+    returns the outputs and whether each was batched. Eagerly the primitives are called as they
+    are, in plain loops: a warm ``shard_map`` call pays for each Python frame around them."""
     if torch.compiler.is_compiling():  # the context manager and wrappers Dynamo traces
         with vmap_increment_nesting(size, "different") as level:
             outputs = per_device(
-                level, *[v if d is None else add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
+                level, level, *[v if d is None else add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
             )
             batched = [v is not None and level_of(v) == level for v in outputs]
             return [remove_batch_dim(v, level, size) if b else v for v, b in zip(outputs, batched)], batched
     level = _vmap_increment_nesting(size, "different")
     try:
-        outputs = per_device(
-            level, *[v if d is None else _add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
-        )
-        batched = [v is not None and maybe_get_level(v) == level for v in outputs]
-        return [_remove_batch_dim(v, level, size, 0) if b else v for v, b in zip(outputs, batched)], batched
+        entered = []
+        for v, d in zip(inputs, in_dims):
+            entered.append(v if d is None else _add_batch_dim(v, d, level))
+        results, batched = [], []
+        for v in per_device(level, level, *entered):
+            if v is not None and maybe_get_level(v) == level:
+                results.append(_remove_batch_dim(v, level, size, 0))
+                batched.append(True)
+            else:
+                results.append(v)
+                batched.append(False)
+        return results, batched
     finally:
         _vmap_decrement_nesting()
 

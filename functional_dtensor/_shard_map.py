@@ -262,11 +262,11 @@ def _run(m: _Mapping, args):
         frame, mode = m.frame(level, device_level, compiling)
         frames.append(frame)  # the axes bound while the function runs
         try:
-            if m.check_rep:
-                local_leaves = [
-                    v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes)
-                    for v, axes in zip(local_leaves, plan.axes)
-                ]
+            if m.check_rep:  # (plain loops: a comprehension is one more frame per call)
+                tagged = []
+                for v, axes in zip(local_leaves, plan.axes):
+                    tagged.append(v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes))
+                local_leaves = tagged
             local_args = treedef.unflatten(local_leaves)
             if mode is None:
                 outputs = m.f(*local_args)
@@ -282,14 +282,13 @@ def _run(m: _Mapping, args):
                     _pop_torch_function_stack()
                     mode.inputs = mode.paths = ()  # (not held past the call)
             flat, layouts, tree = _leave(m, outputs, compiling)
-            flat = [
-                v if lay is None else m.backend.leave(v, lay.is_replicated, frame)
-                for v, lay in zip(flat, layouts)
-            ]
+            left = []
+            for v, lay in zip(flat, layouts):
+                left.append(v if lay is None else m.backend.leave(v, lay.is_replicated, frame))
         finally:
             frames.pop()
         exits[:] = [layouts, tree]  # vmap returns tensors only: the layouts come back this way
-        return tuple(flat)
+        return left
 
     results, batched = m.backend.run_per_device(per_device, m.mesh.size, in_dims, inputs)
     layouts, tree = exits

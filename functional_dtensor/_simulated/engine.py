@@ -52,12 +52,12 @@ def run_per_device(per_device, size: int, in_dims, inputs):
     try:
         if in_dims.count(None) == len(in_dims):  # vmap needs one mapped input to know the device count
             return over_devices(
-                lambda level, *a: per_device(level, level, *a[:-1]),
+                lambda level, device_level, *a: per_device(level, device_level, *a[:-1]),
                 size,
                 (*in_dims, 0),
                 (*inputs, torch.arange(size)),
             )
-        return over_devices(lambda level, *a: per_device(level, level, *a), size, in_dims, inputs)
+        return over_devices(per_device, size, in_dims, inputs)
     except RuntimeError as error:
         if _READS_A_VALUE not in str(error):
             raise
