@@ -140,9 +140,8 @@ def over_devices(per_device, size: int, in_dims, inputs):
     are, in plain loops: a warm ``shard_map`` call pays for each Python frame around them."""
     if torch.compiler.is_compiling():  # the context manager and wrappers Dynamo traces
         with vmap_increment_nesting(size, "different") as level:
-            outputs = per_device(
-                level, level, *[v if d is None else add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
-            )
+            entered = [v if d is None else add_batch_dim(v, d, level) for v, d in zip(inputs, in_dims)]
+            outputs = per_device(level, level, *entered)
             batched = [v is not None and level_of(v) == level for v in outputs]
             return [remove_batch_dim(v, level, size) if b else v for v, b in zip(outputs, batched)], batched
     level = _vmap_increment_nesting(size, "different")
