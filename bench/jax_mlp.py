@@ -39,7 +39,6 @@ first (``steady_malloc``), so that no variant page-faults its buffers back in on
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import warnings
 
@@ -52,7 +51,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _checks import checked, in_float64  # noqa: E402
-from _timing import interleaved, median_ms, print_table  # noqa: E402
+from _timing import interleaved, median_ms, print_table, steady_malloc  # noqa: E402
 
 import functional_dtensor as fd  # noqa: E402
 
@@ -66,19 +65,6 @@ except ImportError:  # the bench extra is not installed
 
 BATCH, DIM, HIDDEN, DEVICES = 64, 512, 2048, 8
 LABELS = ("loss", "dw1", "dw2")
-
-
-def steady_malloc():
-    """Fix glibc malloc's thresholds. By default it returns freed multi-MiB buffers to the system
-    and page-faults them back in on the next call, by thresholds that move with what the process
-    freed before (the checks, for one): JAX's unsharded step moved by a third from one process to
-    the next. Fixed, every variant reuses its buffers, as a training loop does."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: malloc, not mmap, below 32 MiB
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MiB of free heap
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def make_inputs():

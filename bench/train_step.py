@@ -1,7 +1,7 @@
 """A 2-D ("dp" 2 x "tp" 2) training step of the example's transformer: fd against torch.
 
     torchrun --standalone --nproc-per-node 4 bench/train_step.py [--quick]   # (1) gloo
-    python bench/train_step.py [--quick] [--profile]                        # (2) simulated
+    python bench/train_step.py [--quick] [--profile] [--steady-malloc]      # (2) simulated
 
 One step is forward, cross-entropy loss, backward, gradient clipping by the global norm (1.0)
 and an AdamW step (lr 1e-3), on a fixed batch, the parameters carried from step to step.
@@ -36,7 +36,8 @@ against the unsharded model, and the collectives of one step of each library (fd
 (2) On ``fd.simulated_mesh((2, 2), ("dp", "tp"))`` in one process, one thread: the fd step of
 both plans against the same step of the unsharded model in plain torch (``torch.optim.AdamW``,
 ``clip_grad_norm_``), on a larger model (more compute per op). ``--profile`` prints a cProfile
-of fd's ``tp`` step instead of timing.
+of fd's ``tp`` step instead of timing; ``--steady-malloc`` fixes glibc malloc's thresholds
+first (``_timing.steady_malloc``: no buffer page-faulted back in on every step).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _checks import checked, in_float64
-from _timing import interleaved, median_ms, print_table, verdict
+from _timing import interleaved, median_ms, print_table, steady_malloc, verdict
 
 import functional_dtensor as fd
 
@@ -508,12 +509,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--calls", type=int, default=2, help="back-to-back steps per timed sample (gloo)")
     parser.add_argument("--profile", action="store_true", help="cProfile fd's simulated step")
+    parser.add_argument(
+        "--steady-malloc", action="store_true", help="fix glibc malloc's thresholds first (simulated)"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if "WORLD_SIZE" in os.environ:
         torch.set_num_threads(1)
         gloo_main(args)
     else:
+        if args.steady_malloc:
+            steady_malloc()
         simulated_main(args)
 
 
