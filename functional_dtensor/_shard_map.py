@@ -205,6 +205,28 @@ class _Plan:
         return cls(specs, wheres, wheres)
 
 
+def _flattened(tree, compiling: bool) -> tuple[list, optree.PyTreeSpec]:
+    """``optree.tree_flatten(tree)`` in the library's namespace; eagerly, a tensor or a tuple
+    of tensors (a warm call's usual arguments and outputs) without optree's pass over it."""
+    kind = type(tree)
+    if compiling:
+        return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+    if kind is DTensor or kind is torch.Tensor:
+        return [tree], _LEAF
+    if kind is tuple and len(tree) <= len(_TUPLES):
+        for leaf in tree:
+            if type(leaf) is not DTensor and type(leaf) is not torch.Tensor:
+                break
+        else:
+            return list(tree), _TUPLES[len(tree)]
+    return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+#: the structures of a tensor and of tuples of 0 to 7 tensors
+_LEAF = optree.tree_structure(0, none_is_leaf=True, namespace=NAMESPACE)
+_TUPLES = [optree.tree_structure((0,) * n, none_is_leaf=True, namespace=NAMESPACE) for n in range(8)]
+
+
 def _planned(plans: dict, key, make, compiling: bool) -> _Plan:
     """``plans[key]``, made on first use (made afresh while compiling: tracing happens once,
     and Dynamo cannot hash a treedef)."""
@@ -238,7 +260,7 @@ def _run(m: _Mapping, args):
             )
         )
     compiling = torch.compiler.is_compiling()
-    leaves, treedef = optree.tree_flatten(args, none_is_leaf=True, namespace=NAMESPACE)
+    leaves, treedef = _flattened(args, compiling)
     plan = None if compiling else m.entries.get(treedef)
     if plan is None:
         plan = _planned(m.entries, treedef, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
@@ -473,7 +495,7 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
 def _leave(m: _Mapping, outputs, compiling: bool):
     """The outputs of the per-device function, checked against ``out_specs``: flat, with
     their layouts (None where passed through) and their structure."""
-    leaves, tree = optree.tree_flatten(outputs, none_is_leaf=True, namespace=NAMESPACE)
+    leaves, tree = _flattened(outputs, compiling)
     plan = None if compiling else m.exits.get(tree)
     if plan is None:
         plan = _planned(m.exits, tree, lambda: _Plan.of_outputs(m.out_specs, outputs, tree), compiling)
