@@ -208,9 +208,9 @@ class _Plan:
 def _flattened(tree, compiling: bool) -> tuple[list, optree.PyTreeSpec]:
     """``optree.tree_flatten(tree)`` in the library's namespace; eagerly, a tensor or a tuple
     of tensors (a warm call's usual arguments and outputs) without optree's pass over it."""
-    kind = type(tree)
     if compiling:
         return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+    kind = type(tree)
     if kind is DTensor or kind is torch.Tensor:
         return [tree], _LEAF
     if kind is tuple and len(tree) <= len(_TUPLES):
