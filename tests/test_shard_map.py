@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
+import optree
 import pytest
 import torch
 from backends import all_specs, block, coordinates, events, per_device
@@ -322,6 +324,41 @@ def test_dtensor_on_another_mesh():
 
 def test_non_tensor_argument_with_a_spec():
     check(fd.InputTypeError, TypeError, lambda: mapped()([1, 2, 3, 4]), "args[0]", "None")
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+_X = fd.P("x")
+
+
+@pytest.mark.parametrize(
+    ("shape_of", "out_specs"),
+    [
+        (lambda x, y: x + y, _X),
+        (lambda x, y: (x, y), (_X, _X)),
+        (lambda x, y: [x, y], [_X, _X]),
+        (lambda x, y: _Pair(x, y), _Pair(_X, _X)),
+        (lambda x, y: (x, None), (_X, None)),
+        (lambda x, y: {"s": x + y}, {"s": _X}),
+    ],
+    ids=["tensor", "tuple", "list", "namedtuple", "tuple with None", "dict"],
+)
+def test_a_warm_call_keeps_the_structures_of_its_arguments_and_outputs(shape_of, out_specs):
+    """Arguments and outputs of every structure come back as they went in, on the first call and
+    on warm ones (a tensor and a tuple of tensors take their structure from a table)."""
+    x = torch.arange(8.0)
+    y = fd.distribute_tensor(torch.ones(8), MESH, _X)
+    f = mapped(shape_of, in_specs=(_X, _X), out_specs=out_specs)
+    want = shape_of(x, torch.ones(8))
+    for _ in range(3):
+        got = f(x, y)
+        leaves, structure = optree.tree_flatten(got, none_is_leaf=True)
+        assert structure == optree.tree_structure(want, none_is_leaf=True)
+        for g, w in zip(leaves, optree.tree_leaves(want, none_is_leaf=True)):
+            assert (g is None and w is None) or torch.equal(g.full_tensor(), w)
 
 
 def test_none_spec_passes_an_argument_through():
