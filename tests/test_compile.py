@@ -308,46 +308,90 @@ def test_a_transform_inside_the_per_device_function_is_refused_under_fullgraph()
 # --- what the simulated backend compiles into ----------------------------------------------------
 
 
+def _mlp(check_rep: bool):
+    """The Megatron MLP on 4 simulated devices, its global inputs (float64), and its output on
+    one device."""
+    f = fd.shard_map(
+        lambda x, w1, w2: fd.psum(torch.relu(x @ w1) @ w2, "tp"),
+        mesh=fd.simulated_mesh(4, "tp"),
+        in_specs=(fd.P(), fd.P(None, "tp"), fd.P("tp", None)),
+        out_specs=fd.P(),
+        check_rep=check_rep,
+    )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, dtype=torch.float64, generator=g)
+    w1, w2 = (torch.randn(s, dtype=torch.float64, generator=g).requires_grad_() for s in ((8, 16), (16, 8)))
+    return f, (x, w1, w2), torch.relu(x @ w1) @ w2
+
+
+def _compiled_graphs(f, args, **aot_options):
+    """``f``'s output compiled (fullgraph), and the forward and backward graphs AOT autograd
+    made of it (``aot_options``: its partitioner and decompositions, where not the defaults)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    graphs = {}
+
+    def capture(gm, example_inputs):
+        def keep(name):
+            def compiler(graph, inputs):
+                graphs[name] = graph
+                return make_boxed_func(graph)
+
+            return compiler
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"), **aot_options
+        )
+
+    out = torch.compile(lambda *a: f(*a).full_tensor(), fullgraph=True, backend=capture)(*args)
+    return out, graphs
+
+
 @pytest.mark.parametrize("check_rep", [True, False])
 def test_compiled_replicated_times_column_blocks_is_one_matmul(check_rep):
     """On a simulated mesh, a replicated activation times the column blocks of a weight compiles,
     as it runs eagerly, into one matmul with the whole weight (not a batched matmul against
     copies of the activation); values and gradients equal one device's."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    torch._dynamo.reset()
-    mesh = fd.simulated_mesh(4, "tp")
-    f = fd.shard_map(
-        lambda x, w1, w2: fd.psum(torch.relu(x @ w1) @ w2, "tp"),
-        mesh=mesh,
-        in_specs=(fd.P(), fd.P(None, "tp"), fd.P("tp", None)),
-        out_specs=fd.P(),
-        check_rep=check_rep,
-    )
-    products = []
-
-    def capture(gm, example_inputs):
-        def forward(graph, inputs):
-            products.extend(
-                (str(n.target), tuple(n.meta["val"].shape))
-                for n in graph.graph.nodes
-                if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
-            )
-            return make_boxed_func(graph)
-
-        backward = lambda graph, inputs: make_boxed_func(graph)  # noqa: E731
-        return aot_module_simplified(gm, example_inputs, fw_compiler=forward, bw_compiler=backward)
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 8, dtype=torch.float64, generator=g)
-    w1, w2 = (torch.randn(s, dtype=torch.float64, generator=g).requires_grad_() for s in ((8, 16), (16, 8)))
-    out = torch.compile(lambda *a: f(*a).full_tensor(), fullgraph=True, backend=capture)(x, w1, w2)
-    want = torch.relu(x @ w1) @ w2
+    f, (x, w1, w2), want = _mlp(check_rep)
+    out, graphs = _compiled_graphs(f, (x, w1, w2))
     assert_close(out, want)
     for got, expected in zip(
         torch.autograd.grad(out.sum(), (w1, w2)), torch.autograd.grad(want.sum(), (w1, w2))
     ):
         assert_close(got, expected)
+    products = [
+        (str(n.target), tuple(n.meta["val"].shape))
+        for n in graphs["forward"].graph.nodes
+        if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+    ]
     assert ("aten.mm.default", (3, 16)) in products, products  # the whole hidden width at once
     assert ("aten.bmm.default", (4, 3, 4)) not in products, products  # x against copies of it
+
+
+@pytest.mark.parametrize("check_rep", [True, False])
+def test_compiled_mlp_saves_its_activation_not_a_mask(check_rep):
+    """Under inductor's partitioner and decompositions, the compiled MLP's forward saves
+    ``relu``'s output for the backward, as the unsharded program's does, and no ``bool`` mask of
+    it (the row-parallel matmul consumes the activation itself, not a view of it); gradients
+    equal one device's."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    f, (x, w1, w2), want = _mlp(check_rep)
+    out, graphs = _compiled_graphs(
+        f,
+        (x, w1, w2),
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )
+    for got, expected in zip(
+        torch.autograd.grad(out.sum(), (w1, w2)), torch.autograd.grad(want.sum(), (w1, w2))
+    ):
+        assert_close(got, expected)
+    (returned,) = [n for n in graphs["forward"].graph.nodes if n.op == "output"]
+    saved = [v.meta["val"] for v in returned.args[0] if isinstance(v, torch.fx.Node)]
+    assert not [v for v in saved if v.dtype == torch.bool], [(v.dtype, tuple(v.shape)) for v in saved]
+    relu = [n for n in graphs["forward"].graph.nodes if n.target == torch.ops.aten.relu.default]
+    assert relu and all(n in returned.args[0] for n in relu), returned.args[0]

@@ -7,6 +7,13 @@ column-split weight is a view of it), the rule runs that one matmul and views it
 device. Functorch's rule instead runs ``x`` against a batch of blocks, whose 2-D @ 3-D matmul
 transposes its result into a copy; its backward copies again.
 
+Under ``torch.compile`` the result leads with its device dim, and a product of two device-batched
+matrices (the row-parallel matmul after it) runs as one ``bmm`` of them: functorch's rule traces
+``matmul``'s broadcast (a view) between the operand and the ``bmm``, and AOT autograd's partitioner,
+which reads a value used only through views as free to recompute, then saves the activation's
+``relu`` mask for the backward as a ``bool`` tensor instead of the activation (inductor's CPU kernel
+that stores such a mask took 20 times eager torch's comparison).
+
 ``scaled_dot_product_attention`` has no batching rule in torch (it would run once per device,
 with a warning): its rule runs it once, the device dim leading as one more batch dim.
 
@@ -45,16 +52,39 @@ def _replicated_times_blocks(level: int, size: int, args, kwargs, *, matrix_only
     k, n, m = blocks.shape
     if blocks.stride(1) != m * blocks.stride(2):  # the device dim does not fold into the columns
         return None
-    out = below_current_level(lambda: torch.matmul(x, blocks.reshape(k, n * m)).unflatten(-1, (n, m)))
-    return add_batch_dim(out, out.dim() - 2, level)
+    out = below_current_level(
+        lambda: torch.matmul(x, blocks.reshape(k, n * m)).unflatten(-1, (n, m)).movedim(-2, 0)
+    )
+    return add_batch_dim(out, 0, level)
+
+
+def _blocks_times_blocks(level: int, size: int, args, kwargs):
+    """``x @ w`` for two device-batched matrices, traced as one ``bmm`` of them (eagerly,
+    functorch's rule runs the same ``bmm``)."""
+    if not torch.compiler.is_compiling() or kwargs or len(args) != 2:
+        return None
+    x, w = args
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return None
+    if level_of(x) != level or level_of(w) != level or x.dim() != 2 or w.dim() != 2:
+        return None
+    if x.shape[1] != w.shape[0] or x.dtype != w.dtype:  # (torch's own error)
+        return None
+    x, w = remove_batch_dim(x, level, size), remove_batch_dim(w, level, size)
+    return add_batch_dim(below_current_level(torch.bmm, x, w), 0, level)
+
+
+def _matrix_product(level, size, args, kwargs, *, matrix_only: bool):
+    out = _replicated_times_blocks(level, size, args, kwargs, matrix_only=matrix_only)
+    return _blocks_times_blocks(level, size, args, kwargs) if out is None else out
 
 
 def _matmul(level, size, args, kwargs):
-    return _replicated_times_blocks(level, size, args, kwargs, matrix_only=False)
+    return _matrix_product(level, size, args, kwargs, matrix_only=False)
 
 
 def _mm(level, size, args, kwargs):
-    return _replicated_times_blocks(level, size, args, kwargs, matrix_only=True)
+    return _matrix_product(level, size, args, kwargs, matrix_only=True)
 
 
 def _attention(level, size, args, kwargs):
