@@ -393,6 +393,16 @@ class Backend:
             return storage
         return storage.reshape(*layout.mesh.shape, *storage.shape[1:])[_distinct_index(layout)]
 
+    def from_distinct(self, distinct: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """The storage whose blocks :meth:`distinct` reads are ``distinct`` (a grid of one
+        block per distinct shard, stacked; else this rank's block): the inverse of
+        :meth:`distinct`, with no padding zeroed and no Partial axis partitioned (compare
+        :meth:`materialize`)."""
+        if not self.stacked:
+            return distinct
+        block = distinct.shape[mesh.ndim :]
+        return distinct.expand(*mesh.shape, *block).reshape(mesh.size, *block)
+
 
 @cached(1024)
 def _distinct_index(layout: Layout) -> tuple[slice, ...]:

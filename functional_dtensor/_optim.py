@@ -460,17 +460,16 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
             g = redistribute(g, without_partial(g.sharding))
         storage = storage_of(g)
         dtype = storage.dtype if storage.dtype in (torch.float32, torch.float64) else torch.float32
-        flat = storage.reshape(*storage.shape[:lead], -1)
+        blocks = backend.distinct(storage, g.sharding)  # each distinct block once
+        grid = blocks.dim() - (storage.dim() - lead)  # their dims before a block
+        flat = blocks.reshape(*blocks.shape[:grid], -1)
         if flat.shape[-1] == 0:  # an empty shard
             part = flat.new_zeros(flat.shape[:-1], dtype=dtype)
         elif infinite:
             part = flat.abs().amax(-1).to(dtype)
-        else:
-            part = (
-                flat.to(dtype).abs().pow(norm_type).sum(-1)
-                if norm_type != 2
-                else flat.to(dtype).square().sum(-1)
-            )
+        else:  # (one pass, no |g|**p tensor)
+            part = torch.linalg.vector_norm(flat, norm_type, dim=-1, dtype=dtype) ** norm_type
+        part = backend.from_distinct(part, mesh)
         split = tuple([name for name, p in zip(mesh.axis_names, g.placements) if p.is_shard()])
         if split in parts:
             part = torch.maximum(parts[split], part) if infinite else parts[split] + part

@@ -342,10 +342,11 @@ def test_optimizer_state_loads_onto_another_layout():
 
 def _clip_case(dtype):
     """Gradients in several layouts: split over both axes, over both into uneven blocks (a device
-    with none), replicated, and a Partial sum (reduced before its norm)."""
+    with none), replicated, split over one axis and replicated over the other, and a Partial sum
+    (reduced before its norm)."""
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(s, dtype=dtype, generator=g) for s in ((6, 4), (5,), (4, 4), (3, 2))]
-    return tensors, [fd.P("x", "y"), fd.P(("x", "y")), fd.P(), fd.P()]
+    tensors = [torch.randn(s, dtype=dtype, generator=g) for s in ((6, 4), (5,), (4, 4), (4, 6), (3, 2))]
+    return tensors, [fd.P("x", "y"), fd.P(("x", "y")), fd.P(), fd.P(None, "y"), fd.P()]
 
 
 def _job_clip(mesh, norm_type: float, dtype) -> dict:
@@ -382,8 +383,8 @@ def test_clip_grad_norm_equals_torch(backend, mesh, norm_type, dtype):
         assert_close(got["total"], expected)
         for i, t in enumerate(reference):
             assert_close(got["clipped"][f"g{i}"], t.grad)
-        assert got["placements"]["g3"] == (fd.Partial(),) * 2  # clipped as given
-        assert got["counts"] <= 4  # the Partial's reduction, then per split axes: not per gradient
+        assert got["placements"]["g4"] == (fd.Partial(),) * 2  # clipped as given
+        assert got["counts"] <= 5  # the Partial's reduction, then per split axes: not per gradient
 
 
 # --- errors -----------------------------------------------------------------------------------
