@@ -349,7 +349,20 @@ def _clip_case(dtype):
     return tensors, [fd.P("x", "y"), fd.P(("x", "y")), fd.P(), fd.P(None, "y"), fd.P()]
 
 
-def _job_clip(mesh, norm_type: float, dtype) -> dict:
+def _job_clip(mesh, norm_type: float, dtype, distinct_from: int | None = None) -> dict:
+    """``distinct_from``: the gradients' size from which their norms read distinct blocks alone
+    (None: the library's; 0: every gradient's), for this job only."""
+    from functional_dtensor import _optim
+
+    saved = _optim._DISTINCT_FROM
+    _optim._DISTINCT_FROM = saved if distinct_from is None else distinct_from
+    try:
+        return _clipped(mesh, norm_type, dtype)
+    finally:
+        _optim._DISTINCT_FROM = saved
+
+
+def _clipped(mesh, norm_type: float, dtype) -> dict:
     tensors, specs = _clip_case(dtype)
     grads = {f"g{i}": fd.distribute_tensor(t, mesh, s) for i, (t, s) in enumerate(zip(tensors, specs))}
     last = len(tensors) - 1  # as a Partial sum: each device's part a quarter of it
@@ -367,18 +380,20 @@ def _job_clip(mesh, norm_type: float, dtype) -> dict:
 
 
 @pytest.mark.meshes((2, 2))
+@pytest.mark.parametrize("distinct_from", [None, 0], ids=["small", "as large"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
-def test_clip_grad_norm_equals_torch(backend, mesh, norm_type, dtype):
+def test_clip_grad_norm_equals_torch(backend, mesh, norm_type, dtype, distinct_from):
     """The clipped gradients and the total norm are torch's, in the gradients' dtype (a float64
     norm is not rounded to float32), with one all-reduce per set of axes the gradients are split
-    over (and the reduction of the Partial one)."""
+    over (and the reduction of the Partial one); for small gradients, and for gradients taken as
+    large (their norms read each distinct block once)."""
     tensors, _ = _clip_case(dtype)
     reference = [t.clone() for t in tensors]
     for t in reference:
         t.grad = t.clone()
     expected = torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type)
-    for got in backend.run(_job_clip, mesh.shape, mesh.names, norm_type, dtype):
+    for got in backend.run(_job_clip, mesh.shape, mesh.names, norm_type, dtype, distinct_from):
         assert got["total"].dtype == expected.dtype == dtype
         assert_close(got["total"], expected)
         for i, t in enumerate(reference):
