@@ -68,8 +68,8 @@ def _blocks_times_blocks(level: int, size: int, args, kwargs):
         return None
     if level_of(x) != level or level_of(w) != level or x.dim() != 2 or w.dim() != 2:
         return None
-    if x.shape[1] != w.shape[0] or x.dtype != w.dtype:  # (torch's own error)
-        return None
+    if x.shape[1] != w.shape[0] or x.dtype != w.dtype or not x.is_floating_point():
+        return None  # (torch's own error, or functorch's rule)
     x, w = remove_batch_dim(x, level, size), remove_batch_dim(w, level, size)
     return add_batch_dim(below_current_level(torch.bmm, x, w), 0, level)
 
