@@ -570,7 +570,7 @@ def decision_for(func, args, kwargs) -> tuple[str, list[DTensor], Decision]:
                 f"{handler.name} is a composite of other global ops",
                 expected="an op with a rule of its own",
                 got=handler.name,
-                fix="explain the ops it is made of (e.g. matmul and add for linear)",
+                fix="explain the ops it is made of (e.g. matmul and add for addmm)",
             )
         )
     leaves, _ = optree.tree_flatten((args, kwargs), none_is_leaf=True, namespace=NAMESPACE)

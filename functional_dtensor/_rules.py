@@ -42,6 +42,7 @@ __all__ = [
     "additive",
     "extremum",
     "matmul",
+    "linear_layer",
     "reduction",
     "along",
     "permutation",
@@ -176,6 +177,24 @@ def matmul(call: Call) -> list[Option]:
                 Option((R if da is None else Shard(da), R if db is None else Shard(db)), Shard(dim))
             )
     return options
+
+
+def linear_layer(call: Call) -> list[Option]:
+    """``F.linear(x, w, b)``, ``x @ w.T + b`` with ``x (..., k)``, ``w (n, k)`` and ``b (n,)``
+    (or no ``b``): :func:`matmul`'s options, the bias split with the output's features, or a
+    Partial sum where the output is (its parts summing to the bias: a replicated bias becomes
+    that with no communication)."""
+    x, out = call.shapes[0], len(call.out_shape)
+    rows = [
+        ((R, R, R), R),
+        ((R, Shard(0), Shard(0)), Shard(out - 1)),
+        ((Shard(len(x) - 1), Shard(1), SUM), SUM),
+        ((SUM, R, SUM), SUM),
+        ((R, SUM, SUM), SUM),
+    ]
+    rows += [((Shard(d), R, R), Shard(d)) for d in range(len(x) - 1) if call.out_shape[d] > 1]
+    count = len(call.shapes)
+    return [Option(inputs[:count], output) for inputs, output in rows]
 
 
 #: the Partial a sharded reduced dim leaves, per reduction (None: the dim must be whole)

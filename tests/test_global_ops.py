@@ -150,6 +150,48 @@ def test_matmul_layouts_as_dtensor(pa, pb, expected, collectives):
     close(out.full_tensor(), values((8, 8), 1) @ values((8, 8), 2))
 
 
+@given(
+    data=st.data(),
+    batch=st.sampled_from([(), (5,), (3, 4)]),
+    n=st.integers(1, 6),
+    k=st.integers(1, 5),
+    with_bias=st.booleans(),
+)
+@settings(max_examples=40)
+def test_linear_as_one_op_on_every_layout(data, batch, n, k, with_bias):
+    """``F.linear(x, w, b)`` is one op with a rule of its own (``x @ w.T + b``): on every
+    layout, uneven blocks and Partial inputs included, values and derivatives of two orders
+    equal one device's; where its rule needs no redistribute, no communication (the row-parallel
+    product's replicated bias becomes a Partial sum's part with none)."""
+    shapes = [(*batch, k), (n, k)] + ([(n,)] if with_bias else [])
+    layouts = data.draw(layouts_for(shapes, allow_partial=True))
+    tensors = [values(shape, seed) for seed, shape in enumerate(shapes, 1)]
+    two_orders(lambda *ts: F.linear(*ts), tensors, layouts)
+    inputs = [fd.distribute_tensor(t, lay.mesh, lay) for t, lay in zip(tensors, layouts)]
+    _, _, decision = _global_ops.decision_for(F.linear, inputs, {})
+    with fd.CommDebugMode() as comm:
+        F.linear(*inputs)
+    if decision.cost == 0:
+        assert comm.get_total_counts() == 0
+
+
+def test_linear_runs_as_one_product_with_its_bias_on_stacked_devices():
+    """On the simulated mesh a linear layer's forward is one ``baddbmm`` for every device (the
+    bias written with the product, as torch's ``addmm`` on one device): no add of its own, and
+    ``fd.explain`` shows its one decision."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    x = fd.distribute_tensor(values((4, 3, 8), 1), mesh, fd.P("dp"))
+    w = fd.distribute_tensor(values((6, 8), 2).requires_grad_(), mesh, fd.P("tp"))
+    bias = fd.distribute_tensor(values((6,), 3).requires_grad_(), mesh, fd.P("tp"))
+    F.linear(x, w, bias)  # (decided: the decision runs the op on meta tensors)
+    with torch.profiler.profile() as prof:
+        y = F.linear(x, w, bias)
+    ops = [e.name for e in prof.events()]
+    assert "aten::baddbmm" in ops and not {"aten::add", "aten::bmm", "aten::matmul"} & set(ops), ops
+    assert y.placements == (S(0), S(2))
+    assert "linear: no communication" in str(fd.explain(F.linear, x, w, bias))
+
+
 def test_linear_addmm_and_the_decision_cache():
     mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
     x = fd.distribute_tensor(values((8, 6), 1), mesh, fd.P("dp"))

@@ -29,7 +29,7 @@ SLICE = [
     "sum", "mean", "amax", "prod", "cumsum", "max.reduction_no_dim", "softmax", "log_softmax",
     "masked.sum",
     # matrix products
-    "mm", "bmm", "addmm", "einsum", "nn.functional.layer_norm",
+    "mm", "bmm", "addmm", "einsum", "nn.functional.linear", "nn.functional.layer_norm",
     # views, shapes, indexing
     "transpose", "permute", "reshape", "view", "flatten", "unsqueeze", "squeeze", "cat", "stack",
     "split", "chunk", "gather", "nn.functional.embedding",
@@ -72,8 +72,8 @@ def test_op_matches_plain_torch(name):
 
 #: ops run on real gloo ranks too: rules of each family, and ops without a rule (replicated)
 GLOO_SLICE = [
-    "add", "mul", "sum", "amax", "mm", "softmax", "reshape", "flatten", "cat", "gather",
-    "nn.functional.embedding", "median", "sort", "var", "nn.functional.pad.constant", "tril",
+    "add", "mul", "sum", "amax", "mm", "nn.functional.linear", "softmax", "reshape", "flatten", "cat",
+    "gather", "nn.functional.embedding", "median", "sort", "var", "nn.functional.pad.constant", "tril",
 ]  # fmt: skip
 
 

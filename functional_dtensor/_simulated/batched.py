@@ -18,6 +18,8 @@ Batched forms run on even blocks only (no padding), and may decline (return
 
 from __future__ import annotations
 
+import math
+
 import optree
 import torch
 import torch.nn.functional as F
@@ -138,22 +140,28 @@ def elementwise(local, func, args, kwargs, ctx):
     return out if out.dtype == dtype else out.to(dtype)
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` per device, plus ``bias`` (``(n, cols)``: a row per device) as torch's ``addmm``
+    adds it: written into the output before the product, no pass of its own."""
+    return torch.bmm(a, b) if bias is None else torch.baddbmm(bias.unsqueeze(1), a, b)
+
+
 class _Bmm(torch.autograd.Function):
-    """``torch.bmm`` whose gradient of ``b`` has ``b``'s memory order, as torch's ``mm`` gives
-    it: ``b`` a transposed view (``x @ w.t()``, a linear layer's weight), its gradient is the
-    transpose of a row-major product, so the weight's own gradient is row-major (an optimizer
-    reads it in one pass; a transposed one it reads several times slower). The backward is
-    products of the inputs, so every order of differentiation works."""
+    """:func:`_product` whose gradient of ``b`` has ``b``'s memory order, as torch's ``mm``
+    gives it: ``b`` a transposed view (``x @ w.t()``, a linear layer's weight), its gradient is
+    the transpose of a row-major product, so the weight's own gradient is row-major (an
+    optimizer reads it in one pass; a transposed one it reads several times slower). The
+    backward is products and sums of its inputs, so every order of differentiation works."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(a, b):
-        return torch.bmm(a, b)
+    def forward(a, b, bias):
+        return _product(a, b, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:2])
 
     @staticmethod
     def backward(ctx, grad):
@@ -162,17 +170,17 @@ class _Bmm(torch.autograd.Function):
         grad_b = None
         if ctx.needs_input_grad[1]:
             grad_b = torch.bmm(grad.mT, a).mT if b.mT.is_contiguous() else torch.bmm(a.mT, grad)
-        return grad_a, grad_b
+        return grad_a, grad_b, grad.sum(1) if ctx.needs_input_grad[2] else None
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One product per device; a contraction of length one is a broadcast product (one kernel)
-    where the dtype is one every device multiplies matrices of."""
+def _bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One product per device (plus ``bias``, a row per device); a contraction of length one is
+    a broadcast product (one kernel) where the dtype is one every device multiplies matrices of."""
     if a.size(2) == 1 and a.is_floating_point():
-        return a * b
+        return a * b if bias is None else torch.addcmul(bias.unsqueeze(1), a, b)
     if b.requires_grad and b.mT.is_contiguous() and not b.is_contiguous():
-        return autograd.apply(_Bmm, a, b)
-    return torch.bmm(a, b)
+        return autograd.apply(_Bmm, a, b, bias)
+    return _product(a, b, bias)
 
 
 def gathered_linear(x_held, weight, mesh, axis: str) -> torch.Tensor:
@@ -191,6 +199,15 @@ def gathered_linear(x_held, weight, mesh, axis: str) -> torch.Tensor:
 def mm(local, func, args, kwargs, ctx):
     """A matrix per device: one ``bmm``."""
     return _bmm(args[0], args[1])
+
+
+def linear(local, func, args, kwargs, ctx):
+    """``F.linear`` per device: the rows of a device's block times its weight's transpose, plus
+    its bias, one ``baddbmm`` for every device (torch's ``addmm`` on one)."""
+    x, weight = args[0], args[1]
+    rows = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+    out = _bmm(rows, weight.mT, args[2] if len(args) > 2 else None)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def matmul(local, func, args, kwargs, ctx):
@@ -355,6 +372,7 @@ FORMS = {
     "elementwise": elementwise,
     "mm": mm,
     "matmul": matmul,
+    "linear": linear,
     "einsum": einsum,
     "permute": permute,
     "reshape": reshape,

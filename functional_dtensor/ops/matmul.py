@@ -97,9 +97,28 @@ register(
 )
 
 
+def _linear_layer(input, weight, bias=None):
+    """``F.linear`` of fd.DTensor values of one dtype, a matrix weight and a bias of its rows
+    (its rule's form: one op, as torch's ``addmm``)."""
+    return F.linear(input, weight, bias)
+
+
+def _linear_local(func, args, kwargs, ctx):
+    return F.linear(*args)
+
+
 def _linear(func, args, kwargs, ctx):
+    """``F.linear`` as one op where its rule covers the call; otherwise (a plain tensor among
+    the operands, a vector weight, dtypes that differ) as the matmul and add it is made of."""
     x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    if (
+        all([type(t) is DTensor and t.dtype == x.dtype for t in operands])
+        and weight.ndim == 2
+        and (bias is None or bias.shape == weight.shape[:1])
+    ):
+        return dispatch(_linear_layer, operands, {}, _LINEAR_LAYER)
     out = torch.matmul(x, torch.t(weight))  # torch functions, not operators: they compile
     return out if bias is None else torch.add(out, bias)
 
@@ -112,7 +131,9 @@ def _addmm(func, args, kwargs, ctx):
     return torch.add(out, bias if beta == 1 else torch.mul(bias, beta))
 
 
-register([F.linear], Handler(None, no_params, _linear, "linear"))
+register([_linear_layer], Handler(rules.linear_layer, no_params, _linear_local, "linear", batched="linear"))
+_LINEAR_LAYER = resolved(_linear_layer)
+register([F.linear], Handler(None, no_params, _linear, "linear", explained_as=_linear_layer))
 register([torch.addmm, torch.Tensor.addmm], Handler(None, no_params, _addmm, "addmm"))
 
 
