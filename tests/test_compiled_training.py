@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from common import assert_close
 from torch import nn
 
@@ -172,3 +173,29 @@ def test_a_whole_compiled_training_step_equals_the_eager_one(backend, mesh):
     for got in backend.run(job_whole_step, (2, 2), ("dp", "tp"), timeout=400):
         # float32's tolerance: compiled AdamW's step counter (see the test above)
         assert_close(got["compiled"], got["eager"], dtypes=(torch.float32,))
+
+
+def test_compiled_ops_the_simulated_mesh_runs_device_by_device():
+    """Regression: a global op the simulated mesh runs device by device (a softmax of uneven
+    blocks; a layer norm of blocks large enough for torch's fused kernel once per device) failed
+    to compile (Dynamo traced optree's flattening of the keywords' dict). Compiled with
+    ``fullgraph``, values and gradients equal the eager ones."""
+    torch._dynamo.reset()
+    mesh = fd.simulated_mesh(2, "x")
+    uneven = torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(5, 3)
+    large = torch.linspace(-2, 2, 2 * 128 * 128, dtype=torch.float64).reshape(2, 128, 128).sin()
+    weight = torch.linspace(0.5, 1.5, 128, dtype=torch.float64)
+
+    def loss_of(u, t, w):
+        u, t = fd.distribute_tensor(u, mesh, fd.P("x")), fd.distribute_tensor(t, mesh, fd.P("x"))
+        w = fd.distribute_tensor(w, mesh, fd.P())
+        normalized = F.layer_norm(t, (128,), w)
+        return (torch.softmax(u, -1).square().sum() + normalized.square().mean()).full_tensor()
+
+    found = {}
+    compiled = torch.compile(loss_of, fullgraph=True, backend=COMPILER)
+    for run, fn in (("eager", loss_of), ("compiled", compiled)):
+        leaves = [x.clone().requires_grad_() for x in (uneven, large, weight)]
+        loss = fn(*leaves)
+        found[run] = (loss.detach(), torch.autograd.grad(loss, leaves))
+    assert_close(found["compiled"], found["eager"])

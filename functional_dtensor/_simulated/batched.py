@@ -61,7 +61,8 @@ def per_device(local, func, args, kwargs, ctx, storages, devices=None):
     inputs = {}
     for i, storage in enumerate(storages):
         inputs.setdefault(id(storage), i)
-    leaves, tree = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    # the keywords' values as a tuple: Dynamo traces optree's sequences, not its dicts
+    leaves, tree = optree.tree_flatten((args, tuple(kwargs.values())), none_is_leaf=True)
     slots = [
         (p, inputs[id(v)]) for p, v in enumerate(leaves) if isinstance(v, torch.Tensor) and id(v) in inputs
     ]
@@ -76,7 +77,8 @@ def per_device(local, func, args, kwargs, ctx, storages, devices=None):
             local_leaves[position] = (
                 block if block.shape == size else block[tuple([slice(0, n) for n in size])]
             )
-        a, k = tree.unflatten(local_leaves)
+        a, values = tree.unflatten(local_leaves)
+        k = dict(zip(kwargs, values))
         empty = any(0 in tables[i].local_shapes[device] for _, i in slots)
         results.append(quiet_if(empty, local, func, a, k, ctx._replace(device=device)))
     first = results[0]
