@@ -1,7 +1,7 @@
 """A 2-D ("dp" 2 x "tp" 2) training step of the example's transformer: fd against torch.
 
     torchrun --standalone --nproc-per-node 4 bench/train_step.py [--quick]   # (1) gloo
-    python bench/train_step.py [--quick] [--profile] [--steady-malloc]      # (2) simulated
+    python bench/train_step.py [--quick] [--profile] [--steady-malloc] [--compile]  # (2) simulated
 
 One step is forward, cross-entropy loss, backward, gradient clipping by the global norm (1.0)
 and an AdamW step (lr 1e-3), on a fixed batch, the parameters carried from step to step.
@@ -37,7 +37,10 @@ against the unsharded model, and the collectives of one step of each library (fd
 both plans against the same step of the unsharded model in plain torch (``torch.optim.AdamW``,
 ``clip_grad_norm_``), on a larger model (more compute per op). ``--profile`` prints a cProfile
 of fd's ``tp`` step instead of timing; ``--steady-malloc`` fixes glibc malloc's thresholds
-first (``_timing.steady_malloc``: no buffer page-faulted back in on every step).
+first (``_timing.steady_malloc``: no buffer page-faulted back in on every step);
+``--compile`` compiles the forward and loss of every step (``torch.compile(fullgraph=True)``,
+inductor; the gradients, clipping and AdamW eager) and adds the unsharded step compiled so, the
+eager unsharded step staying the reference of the ratios (a few minutes of compiling first).
 """
 
 from __future__ import annotations
@@ -89,11 +92,14 @@ def nbytes(t: torch.Tensor) -> int:
 # --- fd ----------------------------------------------------------------------------------------
 
 
-def fd_step(model, mesh, variant, tokens, targets):
+def fd_step(model, mesh, variant, tokens, targets, compiled: bool = False):
     """``(step, first)``: one training step (parameters carried over); ``first()`` is the
-    first step's (loss, global gradient norm before clipping), on fresh state."""
+    first step's (loss, global gradient norm before clipping), on fresh state. ``compiled``:
+    the forward and loss by ``torch.compile(fullgraph=True)`` (the rest eager)."""
     sharded = fd.parallelize_module(model, mesh, plan_for(variant))
     state = {}
+    forward = lambda params, x, y: loss_of(sharded.apply(params, x), y)  # noqa: E731
+    forward = torch.compile(forward, fullgraph=True) if compiled else forward
 
     def reset():
         state["params"] = sharded.params
@@ -103,7 +109,7 @@ def fd_step(model, mesh, variant, tokens, targets):
         params = state["params"]
         tokens_d = fd.distribute_tensor(tokens, mesh, fd.P("dp"))
         targets_d = fd.distribute_tensor(targets, mesh, fd.P("dp"))
-        loss = loss_of(sharded.apply(params, tokens_d), targets_d)
+        loss = forward(params, tokens_d, targets_d)
         grads = dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
         grads, norm = fd.clip_grad_norm(grads, 1.0)
         state["params"] = state["opt"].step(params, grads)
@@ -413,13 +419,15 @@ def first_on_one_device(model, tokens, targets) -> tuple[torch.Tensor, torch.Ten
     return torch.tensor(firsts[0], dtype=torch.float64), torch.tensor(firsts[1], dtype=torch.float32)
 
 
-def unsharded_step(model, tokens, targets):
+def unsharded_step(model, tokens, targets, compiled: bool = False):
     m = copy.deepcopy(model)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    forward = lambda x, y: loss_of(m(x), y)  # noqa: E731
+    forward = torch.compile(forward, fullgraph=True) if compiled else forward
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(m(tokens), targets)
+        loss = forward(tokens, targets)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         opt.step()
@@ -442,14 +450,19 @@ def simulated_main(args) -> None:
     want = first_on_one_device(model, tokens, targets)
     print(f"unsharded first step: loss {want[1][0]:.6f}, grad norm {want[1][1]:.6f}")
     steps = {"unsharded (plain torch)": u_step}
+    if args.compile:
+        steps["unsharded, compiled"] = unsharded_step(model, tokens, targets, compiled=True)[0]
     for variant in VARIANTS:
-        f_step, f_first, _ = fd_step(model, mesh, variant, tokens, targets)
+        name = f"fd {variant}, simulated 2x2" + (", compiled" if args.compile else "")
+        f_step, f_first, _ = fd_step(model, mesh, variant, tokens, targets, compiled=args.compile)
         got = f_first()
-        checked(f"fd {variant}: first loss and gradient norm", torch.tensor(got), *want)
-        print(f"fd {variant} first step: loss {got[0]:.6f}, grad norm {got[1]:.6f}: same")
-        steps[f"fd {variant}, simulated 2x2"] = f_step
+        checked(f"{name}: first loss and gradient norm", torch.tensor(got), *want)
+        print(f"{name} first step: loss {got[0]:.6f}, grad norm {got[1]:.6f}: same")
+        steps[name] = f_step
     if args.profile:
-        profile(steps[f"fd {VARIANTS[0]}, simulated 2x2"], steps["unsharded (plain torch)"])
+        profile(
+            steps[next(name for name in steps if name.startswith("fd"))], steps["unsharded (plain torch)"]
+        )
         return
     reps = args.reps or (3 if args.quick else 20)
     times = interleaved(steps, reps=reps, warmup=1 if args.quick else 2)
@@ -511,6 +524,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile fd's simulated step")
     parser.add_argument(
         "--steady-malloc", action="store_true", help="fix glibc malloc's thresholds first (simulated)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="forward and loss by torch.compile, fd's and torch's (simulated)",
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
