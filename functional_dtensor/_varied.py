@@ -226,10 +226,13 @@ class _VaryAll(torch.autograd.Function):
     def backward(ctx, *grads):
         backend = backend_of(ctx.mesh)
         present = [g for g in grads if g is not None]
-        if backend.one_process and not any([g.requires_grad for g in present]):
+        again = any([g.requires_grad for g in present]) and not torch.compiler.is_compiling()
+        if backend.one_process and not again:
             # one process: each large gradient summed where it lies (no concatenation to copy, no
             # copy of a transposed gradient), the small ones in one concatenation per dtype (one
-            # kernel, not one per gradient); recorded as the one bucketed all-reduce of the ranks
+            # kernel, not one per gradient); recorded as the one bucketed all-reduce of the ranks.
+            # Its kernels are not differentiated: not where a gradient is differentiated again
+            # (compiled, never: AOT autograd compiles no double backward)
             _count_bucket("all_reduce", present, ctx.mesh, ctx.axes)
             small = [g is not None and g[0].numel() < _BUCKETED_BELOW for g in grads]
             summed = [

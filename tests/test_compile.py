@@ -395,3 +395,38 @@ def test_compiled_mlp_saves_its_activation_not_a_mask(check_rep):
     assert not [v for v in saved if v.dtype == torch.bool], [(v.dtype, tuple(v.shape)) for v in saved]
     relu = [n for n in graphs["forward"].graph.nodes if n.target == torch.ops.aten.relu.default]
     assert relu and all(n in returned.args[0] for n in relu), returned.args[0]
+
+
+def test_a_compiled_backward_sums_large_data_parallel_gradients_where_they_lie():
+    """On a simulated mesh, a data-parallel model's gradients of 16,384 elements or more per
+    device are each summed over "dp" where they lie, compiled as eagerly: the compiled backward
+    concatenates none of them (it concatenated every gradient into one bucket, copying them all
+    twice: 190 ms of a 1.6 s transformer step). Gradients and the collectives counted equal the
+    eager ones."""
+    torch._dynamo.reset()
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    plan = {"0": fd.ColwiseParallel(), "2": fd.RowwiseParallel(), "": fd.ReplicateParallel("dp")}
+    sharded = fd.parallelize_module(model.double(), mesh, plan)
+    params = sharded.params
+    x = fd.distribute_tensor(
+        torch.linspace(-1, 1, 8 * 128, dtype=torch.float64).reshape(8, 128), mesh, fd.P("dp")
+    )
+
+    def loss_of(params, x):
+        return sharded.apply(params, x).square().mean()
+
+    found = {}
+    out, graphs = _compiled_graphs(loss_of, (params, x))
+    torch.autograd.grad(out, list(params.values()))  # (the backward is compiled when it first runs)
+    compiled = torch.compile(lambda *a: loss_of(*a).full_tensor(), fullgraph=True, backend="aot_eager")
+    for run, fn in (("eager", lambda *a: loss_of(*a).full_tensor()), ("compiled", compiled)):
+        with fd.CommDebugMode() as comm:
+            grads = torch.autograd.grad(fn(params, x), list(params.values()))
+        found[run] = ([g.full_tensor() for g in grads], comm.get_comm_counts())
+    assert_close(found["compiled"][0], found["eager"][0])
+    assert found["compiled"][1] == found["eager"][1]
+    large = 4 * (1 << 14)
+    cats = [n for n in graphs["backward"].graph.nodes if n.target == torch.ops.aten.cat.default]
+    assert not [n for n in cats if n.meta["val"].numel() >= large], [tuple(n.meta["val"].shape) for n in cats]
