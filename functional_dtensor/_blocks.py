@@ -70,8 +70,9 @@ def reduce(x: torch.Tensor, op: str, dim: int | tuple[int, ...], *, keepdim: boo
 
 def memory_order(x: torch.Tensor) -> list[int] | None:
     """The dims of ``x`` from the largest stride to the smallest, where that is not their
-    order (None for a contiguous tensor, and where it is)."""
-    if x.is_contiguous():
+    order (None for a contiguous tensor, and where it is; and while compiling: the compiler
+    lays out its own loops, and Dynamo does not sort by symbolic strides)."""
+    if torch.compiler.is_compiling() or x.is_contiguous():
         return None
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
     return None if order == list(range(x.dim())) else order

@@ -199,3 +199,28 @@ def test_compiled_ops_the_simulated_mesh_runs_device_by_device():
         loss = fn(*leaves)
         found[run] = (loss.detach(), torch.autograd.grad(loss, leaves))
     assert_close(found["compiled"], found["eager"])
+
+
+def test_a_compiled_fully_sharded_step_compiles_again_for_new_parameter_shapes():
+    """Regression: compiled again for parameters of new shapes (Dynamo makes their sizes
+    symbolic), a fully-sharded unit's backward sorted its gradients' dims by their strides for
+    the reduce-scatter, which Dynamo cannot do with symbolic strides. Three widths, values and
+    gradients equal the eager ones."""
+    torch._dynamo.reset()
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    plan = {"0": fd.ColwiseParallel(), "2": fd.RowwiseParallel(), "": fd.FullyShard("dp")}
+
+    def loss_of(sharded, params, x):
+        return sharded.apply(params, x).square().mean().full_tensor()
+
+    compiled = torch.compile(loss_of, fullgraph=True, backend=COMPILER)
+    x = fd.distribute_tensor(torch.linspace(-1, 1, 32, dtype=torch.float64).reshape(4, 8), mesh, fd.P("dp"))
+    for width in (16, 32, 48):
+        model = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 8)).double()
+        sharded = fd.parallelize_module(model, mesh, plan)
+        found = {}
+        for run, fn in (("eager", loss_of), ("compiled", compiled)):
+            loss = fn(sharded, sharded.params, x)
+            grads = torch.autograd.grad(loss, list(sharded.params.values()))
+            found[run] = (loss.detach(), [g.full_tensor() for g in grads])
+        assert_close(found["compiled"], found["eager"], msg=lambda m, w=width: f"width {w}: {m}")
