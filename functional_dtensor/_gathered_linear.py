@@ -35,10 +35,13 @@ def gathered_linear(x, weight, bias, axis: str) -> DTensor | None:
     counted are those of the product and its all-gather (the ``pvary`` of ``x``, the
     all-gather, and their transposes). None where this does not apply: the caller computes the
     product and gathers it."""
-    if torch.compiler.is_compiling() or not (isinstance(x, DTensor) and isinstance(weight, DTensor)):
+    if not (isinstance(x, DTensor) and isinstance(weight, DTensor)):
         return None
     held, mesh = held_of(x), x.device_mesh
-    if held is None or is_transformed(held) or held.is_meta or weight.device_mesh != mesh or x.ndim < 2:
+    compiling = torch.compiler.is_compiling()  # (Dynamo traces no transform's wrapper)
+    if held is None or held.is_meta or weight.device_mesh != mesh or x.ndim < 2:
+        return None
+    if not compiling and is_transformed(held):
         return None
     backend, position, layout = backend_of(mesh), mesh.axis_position(axis), x.sharding
     if backend.held_plan(layout).axes != (position,):  # held over other axes too
@@ -50,7 +53,7 @@ def gathered_linear(x, weight, bias, axis: str) -> DTensor | None:
     for p in parameters:
         if not isinstance(p, DTensor) or p.sharding.placements != wanted or held_of(p) is not None:
             return None
-        if p.device_mesh != mesh or p.dtype != x.dtype or is_transformed(storage_of(p)):
+        if p.device_mesh != mesh or p.dtype != x.dtype or not compiling and is_transformed(storage_of(p)):
             return None
     if weight.ndim != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % mesh.axis_size(axis):
         return None

@@ -414,7 +414,7 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
                 log_decision(handler.name, tensors, decision)
     grad = torch.is_grad_enabled()
     held = decision.context.held
-    if held is not None and (compiling or not _holds(tensors)):
+    if held is not None and not _holds(tensors):
         held = None
     if _VARIED and grad:
         storages, out_varied = _varied_inputs(tensors, decision, held)
@@ -455,6 +455,8 @@ def _holds(tensors: list[DTensor]) -> bool:
     stacked storage takes none), and not on a ``torch.func`` transform's values."""
     if all([held_of(t) is None for t in tensors]):
         return False
+    if torch.compiler.is_compiling():  # (Dynamo traces no transform's wrapper)
+        return True
     return not any([held_of(t) is None and is_transformed(storage_of(t)) for t in tensors])
 
 

@@ -120,31 +120,32 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     as the distributed backend's communicate (:class:`_HeldAllReduce`, :class:`HeldAllGather`).
     The result is varied over ``axes`` (see :mod:`._varied`). None where it does not apply."""
     mesh = target.mesh
-    if torch.compiler.is_compiling():
-        return None
     data, source, shape = data_of(x), x.sharding, x.shape
     integral = not (data.is_floating_point() or data.is_complex())
     threshold = backend_of(mesh).held_min_elements
-    move = _held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
-    if move is None or data.is_meta or is_transformed(data):
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # (Dynamo traces no transform's wrapper)
+        move = _traced_held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
+    else:
+        move = _held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
+    if move is None or data.is_meta or not compiling and is_transformed(data):
         return None
-    step, source_plan, grid = move
-    if log.plans.isEnabledFor(logging.INFO):  # the plan and the gradient's way back, as _moved logs them
+    if not compiling and log.plans.isEnabledFor(logging.INFO):  # as _moved logs them
         back_source, back_target, same = _back(source, target)
         _steps(source, target, tuple(shape), data)
         if not same:
             _steps(back_source, back_target, tuple(shape), data, True)
+    reduce, names, dim, source_plan, grid = move
     held = held_of(x)
     if held is None:
         held = storage_of(x)
         if source_plan is not None:
             summed = tuple([a for a in source_plan.axes if mesh.axis_names[a] in axes])
             held = backend_of(mesh).fold(held, source, source_plan, summed)
-    if isinstance(step, AllReduce):
-        out = autograd.apply(_HeldAllReduce, held, grid, mesh, step.names, False)
+    if reduce:
+        out = autograd.apply(_HeldAllReduce, held, grid, mesh, names, False)
     else:
-        dim, summed = source.placements[step.axes[0]].dim, step.names[0] in axes
-        out = autograd.apply(HeldAllGather, held, grid, mesh, step.names, dim, summed, False, True)
+        out = autograd.apply(HeldAllGather, held, grid, mesh, names, dim, names[0] in axes, False, True)
     return new_held(varied.mark(out, axes), target, shape, frozenset(axes))
 
 
@@ -173,7 +174,34 @@ def _held_move(
     ):
         return None
     source_plan = backend.held_plan(source)
-    return step, source_plan, source.mesh.shape if source_plan is None else source_plan.grid
+    reduce = isinstance(step, AllReduce)
+    dim = None if reduce else source.placements[step.axes[0]].dim
+    return (
+        reduce,
+        step.names,
+        dim,
+        source_plan,
+        source.mesh.shape if source_plan is None else source_plan.grid,
+    )
+
+
+def _traced_held_move(source: Layout, target: Layout, shape: tuple, itemsize: int, integral: bool, threshold):
+    """:func:`_held_move` while Dynamo traces: decided outside the graph, as the plans are
+    (:func:`_held_move_key`), the source's plan made again in the graph."""
+    move = _held_move_key(layout_key(source), layout_key(target), shape, itemsize, integral, threshold)
+    if move is None:
+        return None
+    reduce, names, dim, planned, grid = move
+    return reduce, names, dim, backend_of(target.mesh).held_plan(source) if planned else None, grid
+
+
+@torch._dynamo.assume_constant_result
+def _held_move_key(source_key: tuple, target_key: tuple, shape, itemsize: int, integral: bool, threshold):
+    """:func:`_held_move` as constants: whether the source has a plan, not the plan."""
+    move = _held_move(
+        layout_of_key(source_key), layout_of_key(target_key), shape, itemsize, integral, threshold
+    )
+    return None if move is None else (*move[:3], move[3] is not None, move[4])
 
 
 # The held moves, as autograd functions: each, forward or transposed, is the other's

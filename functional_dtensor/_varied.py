@@ -67,32 +67,31 @@ def _key(storage: torch.Tensor, table: dict) -> int:
     return -1 - len(table) if torch.compiler.is_compiling() else id(storage)
 
 
-def pvaried(storage: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
-    """``storage`` through ``pvary`` over ``axes``, once per forward."""
+def _once(tensor: torch.Tensor, what: tuple, make, *args) -> torch.Tensor:
+    """``make(*args)``, once per forward for ``tensor`` and ``what`` (:data:`PVARIED`)."""
     if torch.compiler.is_compiling():
-        for (_, over), (s, out) in PVARIED.items():
-            if s is storage and over == axes:
+        for (_, kept), (t, out) in PVARIED.items():
+            if t is tensor and kept == what:
                 return out
     else:
-        entry = PVARIED.get((id(storage), axes))
-        if entry is not None and entry[0] is storage:
+        entry = PVARIED.get((id(tensor), what))
+        if entry is not None and entry[0] is tensor:
             return entry[1]
-    out = on_storage(storage, mesh, Pvary, axes)
-    PVARIED[_key(storage, PVARIED), axes] = (storage, out)
+    out = make(*args)
+    PVARIED[_key(tensor, PVARIED), what] = (tensor, out)
     return out
+
+
+def pvaried(storage: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
+    """``storage`` through ``pvary`` over ``axes``, once per forward."""
+    return _once(storage, axes, on_storage, storage, mesh, Pvary, axes)
 
 
 def pvaried_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
     """Held blocks (see :meth:`.Backend.held_plan`) through ``pvary`` over ``axes``, along
     which they are held, once per forward: a held cotangent is the sum of the devices' parts
     already, so nothing is summed; the all-reduce the distributed backend runs is counted."""
-    key = (-1 - len(PVARIED) if torch.compiler.is_compiling() else id(held), (*axes, "held"))
-    entry = PVARIED.get(key)
-    if entry is not None and entry[0] is held:
-        return entry[1]
-    out = pvary_held(held, mesh, axes)
-    PVARIED[key] = (held, out)
-    return out
+    return _once(held, (*axes, "held"), pvary_held, held, mesh, axes)
 
 
 def pvary_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
@@ -105,16 +104,13 @@ def pvaried_stacked(x: DTensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torc
     ``pvary`` over them, once per forward: made from its blocks, the devices' cotangents summed
     over ``axes`` straight into the held one (the all-reduce the distributed backend runs,
     counted), not written to every device first."""
-    held = held_of(x)
-    key = (id(held), (*axes, "stacked"))
-    entry = PVARIED.get(key)
-    if entry is not None and entry[0] is held:
-        return entry[1]
+    return _once(held_of(x), (*axes, "stacked"), _pvary_stacked, x, mesh, axes)
+
+
+def _pvary_stacked(x: DTensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
     summed = held_varied(x) | set(axes)
     positions = tuple([a for a, name in enumerate(mesh.axis_names) if name in summed])
-    storage = backend_of(mesh).unfold(pvaried_held(held, mesh, axes), x.sharding, positions)
-    PVARIED[key] = (held, storage)
-    return storage
+    return backend_of(mesh).unfold(pvaried_held(held_of(x), mesh, axes), x.sharding, positions)
 
 
 @autograd.compilable

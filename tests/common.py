@@ -22,6 +22,7 @@ __all__ = [
     "ERROR_FACTOR",
     "assert_close",
     "check",
+    "compiled_graphs",
     "even_pairs",
     "in_float64",
     "op_catalogue",
@@ -212,6 +213,31 @@ def op_catalogue(mesh, x, w, idx) -> dict:
         }
         out.update({f"{name} {n}": value for name, value in cases.items()})
     return out
+
+
+def compiled_graphs(f, args, **aot_options):
+    """``f``'s output compiled (fullgraph), and the forward and backward graphs AOT autograd
+    made of it (``aot_options``: its partitioner and decompositions, where not the defaults)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    graphs = {}
+
+    def capture(gm, example_inputs):
+        def keep(name):
+            def compiler(graph, inputs):
+                graphs[name] = graph
+                return make_boxed_func(graph)
+
+            return compiler
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"), **aot_options
+        )
+
+    out = torch.compile(lambda *a: f(*a).full_tensor(), fullgraph=True, backend=capture)(*args)
+    return out, graphs
 
 
 @contextlib.contextmanager

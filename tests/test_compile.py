@@ -15,7 +15,7 @@ import pytest
 import torch
 from backends import events
 from catalogue import global_inputs, mapped, pick, reference
-from common import assert_close
+from common import assert_close, compiled_graphs
 
 import functional_dtensor as fd
 
@@ -324,38 +324,13 @@ def _mlp(check_rep: bool):
     return f, (x, w1, w2), torch.relu(x @ w1) @ w2
 
 
-def _compiled_graphs(f, args, **aot_options):
-    """``f``'s output compiled (fullgraph), and the forward and backward graphs AOT autograd
-    made of it (``aot_options``: its partitioner and decompositions, where not the defaults)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    torch._dynamo.reset()
-    graphs = {}
-
-    def capture(gm, example_inputs):
-        def keep(name):
-            def compiler(graph, inputs):
-                graphs[name] = graph
-                return make_boxed_func(graph)
-
-            return compiler
-
-        return aot_module_simplified(
-            gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"), **aot_options
-        )
-
-    out = torch.compile(lambda *a: f(*a).full_tensor(), fullgraph=True, backend=capture)(*args)
-    return out, graphs
-
-
 @pytest.mark.parametrize("check_rep", [True, False])
 def test_compiled_replicated_times_column_blocks_is_one_matmul(check_rep):
     """On a simulated mesh, a replicated activation times the column blocks of a weight compiles,
     as it runs eagerly, into one matmul with the whole weight (not a batched matmul against
     copies of the activation); values and gradients equal one device's."""
     f, (x, w1, w2), want = _mlp(check_rep)
-    out, graphs = _compiled_graphs(f, (x, w1, w2))
+    out, graphs = compiled_graphs(f, (x, w1, w2))
     assert_close(out, want)
     for got, expected in zip(
         torch.autograd.grad(out.sum(), (w1, w2)), torch.autograd.grad(want.sum(), (w1, w2))
@@ -380,7 +355,7 @@ def test_compiled_mlp_saves_its_activation_not_a_mask(check_rep):
     from torch._inductor.decomposition import select_decomp_table
 
     f, (x, w1, w2), want = _mlp(check_rep)
-    out, graphs = _compiled_graphs(
+    out, graphs = compiled_graphs(
         f,
         (x, w1, w2),
         partition_fn=min_cut_rematerialization_partition,
@@ -418,7 +393,7 @@ def test_a_compiled_backward_sums_large_data_parallel_gradients_where_they_lie()
         return sharded.apply(params, x).square().mean()
 
     found = {}
-    out, graphs = _compiled_graphs(loss_of, (params, x))
+    out, graphs = compiled_graphs(loss_of, (params, x))
     torch.autograd.grad(out, list(params.values()))  # (the backward is compiled when it first runs)
     compiled = torch.compile(lambda *a: loss_of(*a).full_tensor(), fullgraph=True, backend="aot_eager")
     for run, fn in (("eager", lambda *a: loss_of(*a).full_tensor()), ("compiled", compiled)):
