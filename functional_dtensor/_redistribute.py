@@ -124,10 +124,11 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     integral = not (data.is_floating_point() or data.is_complex())
     threshold = backend_of(mesh).held_min_elements
     compiling = torch.compiler.is_compiling()
-    if compiling:  # (Dynamo traces no transform's wrapper)
+    if compiling:
         move = _traced_held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
     else:
         move = _held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
+    # (no transform's check while compiling: Dynamo traces no functorch wrapper)
     if move is None or data.is_meta or not compiling and is_transformed(data):
         return None
     if not compiling and log.plans.isEnabledFor(logging.INFO):  # as _moved logs them
