@@ -244,14 +244,24 @@ class _Head(torch.nn.Module):
 _HEAD_PLAN = {"embed": "embedding_rowwise", "head": "colwise_gather_output"}
 
 
-def head_program(mesh, unit):
+def sharded_head(mesh, unit):
+    """The head's model, its tokens, the model sharded with data parallelism of ``unit`` and
+    the tokens laid out over "dp"."""
     torch.manual_seed(0)
     model = _Head().double()
     tokens = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(1))
     plan = {**_HEAD_PLAN, "": fd.ReplicateParallel("dp") if unit == "replicate" else fd.FullyShard("dp")}
-    sharded = fd.parallelize_module(model, mesh, plan)
+    return (
+        model,
+        tokens,
+        fd.parallelize_module(model, mesh, plan),
+        fd.distribute_tensor(tokens, mesh, fd.P("dp")),
+    )
+
+
+def head_program(mesh, unit):
+    model, tokens, sharded, laid_out = sharded_head(mesh, unit)
     params = list(sharded.params.values())
-    laid_out = fd.distribute_tensor(tokens, mesh, fd.P("dp"))
     with fd.CommDebugMode() as comm:
         loss = sharded.apply(sharded.params, laid_out)
         first, second = gradients(loss.full_tensor(), params)
@@ -280,14 +290,8 @@ def test_a_compiled_gathered_head_is_one_product_of_the_held_input(unit):
     """Compiled (fullgraph), the gathered head is computed at once as it is eagerly: one product
     of the held blocks (one per "dp" row) writes the gathered logits, not one per device of its
     columns. The loss, the gradients and the collectives counted equal the eager program's."""
-    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
-    torch.manual_seed(0)
-    model = _Head().double()
-    tokens = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(1))
-    plan = {**_HEAD_PLAN, "": fd.ReplicateParallel("dp") if unit == "replicate" else fd.FullyShard("dp")}
-    sharded = fd.parallelize_module(model, mesh, plan)
+    _, _, sharded, laid_out = sharded_head(fd.simulated_mesh((2, 2), ("dp", "tp")), unit)
     params = list(sharded.params.values())
-    laid_out = fd.distribute_tensor(tokens, mesh, fd.P("dp"))
     found = {}
     for run in ("eager", "compiled"):
         with fd.CommDebugMode() as comm:
