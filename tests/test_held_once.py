@@ -285,7 +285,7 @@ def test_a_gathered_head_under_data_parallelism_equals_one_device(unit):
     assert_close(got["second"], list(second))
 
 
-@pytest.mark.parametrize("unit", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("unit", ["replicate", pytest.param("fully_shard", marks=pytest.mark.slow)])
 def test_a_compiled_gathered_head_is_one_product_of_the_held_input(unit):
     """Compiled (fullgraph), the gathered head is computed at once as it is eagerly: one product
     of the held blocks (one per "dp" row) writes the gathered logits, not one per device of its
@@ -385,7 +385,7 @@ def test_a_gathered_head_is_the_same_on_both_backends(backend, mesh):
     assert_each_equals(results, _head_job(fd.simulated_mesh((2, 2), ("dp", "tp"))))
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (4,)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 2), pytest.param((4,), marks=pytest.mark.slow)], ids=str)
 def test_a_compiled_program_holds_its_values_once(shape):
     """Compiled (fullgraph), the program holds its values once as it does eagerly: its layer
     norm runs on one block per distinct shard in the graph, not on every device's. The loss,
