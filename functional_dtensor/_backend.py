@@ -149,6 +149,13 @@ class Backend:
         once; see :func:`._simulated.batched.gathered_linear`). Nothing is counted here."""
         return simulated_batched.gathered_linear(x_held, weight, mesh, axis)
 
+    def folded_linear(self, x, weight_rows, bias_rows, mesh_shape, axes: tuple[int, ...]):
+        """``F.linear`` per device where each device's weight block (and bias) is one of the
+        rows held once along ``axes`` (positions) and ``x`` is stacked: the devices along
+        ``axes`` lay their rows end to end, one product per held block (see
+        :func:`._simulated.batched.folded_linear`). Nothing is counted here."""
+        return simulated_batched.folded_linear(x, weight_rows, bias_rows, mesh_shape, axes)
+
     def end_to_end(self, rows, mesh: DeviceMesh, axis: str):
         """Every device's rows laid end to end along ``axis``, one per position along the other
         axes (the gathered bias of :meth:`gathered_linear`; not counted)."""
@@ -375,9 +382,12 @@ class Backend:
         :mod:`._varied`): its held cotangent is the sum of the devices' parts there."""
         return self._storage.fold(storage, layout, plan, summed)
 
-    def unfold(self, held: torch.Tensor, layout: Layout, summed: tuple[int, ...] = ()) -> torch.Tensor:
-        """Every device's block of a value held once (the inverse of :meth:`fold`)."""
-        return self._storage.unfold(held, layout, summed)
+    def unfold(
+        self, held: torch.Tensor, layout: Layout, summed: tuple[int, ...] = (), *, parts: bool = False
+    ) -> torch.Tensor:
+        """Every device's block of a value held once (the inverse of :meth:`fold`); with
+        ``parts``, parts of it along the ``summed`` axes (their sum is the value)."""
+        return self._storage.unfold(held, layout, summed, parts=parts)
 
     def block_shape(self, storage: torch.Tensor) -> tuple[int, ...]:
         """The shape of one device's (padded) block in ``storage``."""
@@ -392,6 +402,22 @@ class Backend:
         if not self.stacked:
             return storage
         return storage.reshape(*layout.mesh.shape, *storage.shape[1:])[_distinct_index(layout)]
+
+    def distinct_held(self, held: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The blocks :meth:`distinct` reads, of a value held once (see :meth:`held_plan`): its
+        held blocks on their grid, a view."""
+        return held.reshape(*self.held_plan(layout).grid, *held.shape[1:])
+
+    def holds_leaf(self, layout: Layout, shape: tuple[int, ...]) -> bool:
+        """Whether a value computed outside a program (an optimizer's updated parameter, a
+        parameter's gradient) is kept held once in ``layout`` (see :meth:`held_plan`): an axis
+        replicates it, its blocks are even and large enough, and no axis is Partial."""
+        return (
+            self.held_plan(layout) is not None
+            and not layout.has_partial
+            and shard_table(layout, shape).is_even
+            and self.holds(layout, shape)
+        )
 
     def from_distinct(self, distinct: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """The storage whose blocks :meth:`distinct` reads are ``distinct`` (a grid of one

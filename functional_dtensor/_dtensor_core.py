@@ -339,8 +339,11 @@ def storage_of(x: DTensor) -> torch.Tensor:
 def _made_from_blocks(x: DTensor) -> torch.Tensor:
     layout, varied = x._layout, x._varied
     summed = tuple([a for a, name in enumerate(layout.mesh.axis_names) if name in varied])
-    storage = backend_of(layout.mesh).unfold(x._held, layout, summed)
-    if not torch.compiler.is_compiling():  # (a compiled graph makes it again)
+    held = x._held
+    storage = backend_of(layout.mesh).unfold(held, layout, summed)
+    # kept, but not where made outside autograd from blocks that need a gradient: a later
+    # differentiated use must reach the blocks (and a compiled graph makes it again)
+    if not torch.compiler.is_compiling() and (torch.is_grad_enabled() or not held.requires_grad):
         object.__setattr__(x, "_storage", storage)
     return storage
 

@@ -16,7 +16,7 @@ from . import _autograd as autograd
 from . import _varied as varied
 from ._backend import backend_of
 from ._collectives import Pvary, on_storage
-from ._dtensor import DTensor, held_of, held_varied, new_held, storage_of
+from ._dtensor import DTensor, data_of, held_of, held_varied, new_held
 from ._functorch import is_transformed
 from ._placements import Replicate, Shard
 from ._redistribute import HeldAllGather
@@ -51,9 +51,9 @@ def gathered_linear(x, weight, bias, axis: str) -> DTensor | None:
     parameters = [weight] if bias is None else [weight, bias]
     wanted = tuple([Shard(0) if a == position else Replicate() for a in range(mesh.ndim)])
     for p in parameters:
-        if not isinstance(p, DTensor) or p.sharding.placements != wanted or held_of(p) is not None:
+        if not isinstance(p, DTensor) or p.sharding.placements != wanted:
             return None
-        if p.device_mesh != mesh or p.dtype != x.dtype or not compiling and is_transformed(storage_of(p)):
+        if p.device_mesh != mesh or p.dtype != x.dtype or not compiling and is_transformed(data_of(p)):
             return None
     if weight.ndim != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] % mesh.axis_size(axis):
         return None
@@ -83,7 +83,7 @@ def _varied_parameter(p: DTensor, batch: tuple[str, ...], grad: bool) -> torch.T
     """The storage of a parameter replicated over the ``batch`` axes, through ``pvary`` over
     those it is not varied over already (its gradient is each device's part there), as the
     global ops give it (see :func:`._global_ops._varied_inputs`)."""
-    storage = storage_of(p)
+    storage = varied.marked_storage(p)  # (a parameter held once: made from its blocks)
     if not grad or not storage.requires_grad:
         return storage
     if not varied.TABLE:

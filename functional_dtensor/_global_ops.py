@@ -499,9 +499,11 @@ def _varied_inputs(tensors: list[DTensor], decision: Decision, held):
         if type(value) is DTensor and (held is None or need - along or not fits[i]):
             own = backend.held_plan(layout)  # held once, needed stacked
             if need and value.requires_grad and need <= {mesh.axis_names[a] for a in own.axes}:
-                storages.append(
-                    varied.pvaried_stacked(value, mesh, tuple(n for n in mesh.axis_names if n in need))
-                )
+                value = varied.pvaried_stacked(value, mesh, tuple(n for n in mesh.axis_names if n in need))
+                if held is not None:  # (the op's own held blocks: held along fewer axes)
+                    summed = tuple([a for a in held.axes if mesh.axis_names[a] in axes | need])
+                    value = backend.fold(value, layout, held, summed)
+                storages.append(value)
                 continue
             value = varied.marked_storage(value)
         if type(value) is DTensor:

@@ -36,7 +36,7 @@ import optree
 import torch
 
 from ._backend import backend_of
-from ._dtensor import DTensor, new_value, parts_of, storage_of, without_partial
+from ._dtensor import DTensor, data_of, held_of, new_held, new_value, parts_of, storage_of, without_partial
 from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
 from ._layout import Layout
 from ._placements import Partial, Replicate
@@ -209,7 +209,22 @@ class Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _distinct(value: DTensor) -> torch.Tensor:
-        return backend_of(value.device_mesh).distinct(storage_of(value), value.sharding)
+        backend, held = backend_of(value.device_mesh), held_of(value)
+        if held is not None:
+            return backend.distinct_held(held, value.sharding)
+        return backend.distinct(storage_of(value), value.sharding)
+
+    @staticmethod
+    def _updated(distinct: torch.Tensor, layout, shape, requires_grad: bool) -> DTensor:
+        """The value whose distinct blocks are ``distinct``: held once where the backend keeps
+        it so (the simulated mesh: each block once, not a copy per replica), else its storage."""
+        backend = backend_of(layout.mesh)
+        if backend.holds_leaf(layout, tuple(shape)):
+            held = distinct.reshape(-1, *distinct.shape[layout.mesh.ndim :])
+            return new_held(held.requires_grad_(requires_grad), layout, shape)
+        return new_value(
+            Optimizer._storage(distinct, layout, shape).requires_grad_(requires_grad), layout, shape
+        )
 
     @staticmethod
     def _storage(distinct: torch.Tensor, layout, shape) -> torch.Tensor:
@@ -271,7 +286,7 @@ class Optimizer(torch.optim.Optimizer):
         gradients = self._checked(grads, "grads", allow_none=True)
         with torch.no_grad():
             for tensor, value, grad, returned in zip(self._tensors, values, gradients, self._returned):
-                if returned is None or returned() is not storage_of(value):
+                if returned is None or returned() is not data_of(value):
                     # fresh memory: the values returned by an earlier step keep theirs
                     tensor.data = self._distinct(value).detach().clone()
                 # contiguous like the parameter: the elementwise update reads both in one order
@@ -284,10 +299,11 @@ class Optimizer(torch.optim.Optimizer):
                 zip(self._tensors, values, self._layouts)
             ):
                 tensor.grad = None
-                storage = self._storage(tensor.data, layout, shape).requires_grad_(value.requires_grad)
-                shared = storage.untyped_storage().data_ptr() == tensor.data.untyped_storage().data_ptr()
-                self._returned[i] = None if shared else weakref.ref(storage)
-                out.append(new_value(storage, layout, shape))
+                updated = self._updated(tensor.data, layout, shape, value.requires_grad)
+                data = data_of(updated)
+                shared = data.untyped_storage().data_ptr() == tensor.data.untyped_storage().data_ptr()
+                self._returned[i] = None if shared else weakref.ref(data)
+                out.append(updated)
         return optree.tree_unflatten(self._tree, out)
 
     def state_dict(self) -> dict:
@@ -438,11 +454,16 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
         backend = backend_of(total.device_mesh)
         one = backend.replica(storage_of(coef))  # the same on every device: one device's copy
         coefs = {g.dtype: one.to(g.dtype) for g in present}
-        clipped = [
-            None if g is None else new_value(storage_of(g) * coefs[g.dtype], g.sharding, g.shape)
-            for g in leaves
-        ]
+        clipped = [None if g is None else _scaled(g, coefs[g.dtype]) for g in leaves]
     return optree.tree_unflatten(spec, clipped), total
+
+
+def _scaled(g: DTensor, coef: torch.Tensor) -> DTensor:
+    """``g`` times the scalar ``coef`` (held once where ``g`` is)."""
+    held = held_of(g)
+    if held is not None:
+        return new_held(held * coef, g.sharding, g.shape)
+    return new_value(storage_of(g) * coef, g.sharding, g.shape)
 
 
 def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
@@ -460,10 +481,14 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
     for g in grads:
         if g.sharding.has_partial:
             g = redistribute(g, without_partial(g.sharding))
-        storage = storage_of(g)
+        held = held_of(g)
+        storage = storage_of(g) if held is None else held  # (held: one row per distinct block)
         dtype = storage.dtype if storage.dtype in (torch.float32, torch.float64) else torch.float32
-        large = storage.numel() >= _DISTINCT_FROM
-        blocks = backend.distinct(storage, g.sharding) if large else storage
+        large = held is not None or storage.numel() >= _DISTINCT_FROM
+        if held is not None:
+            blocks = backend.distinct_held(held, g.sharding)
+        else:
+            blocks = backend.distinct(storage, g.sharding) if large else storage
         flat = blocks.reshape(*blocks.shape[: blocks.dim() - (storage.dim() - lead)], -1)
         if flat.shape[-1] == 0:  # an empty shard
             norm = flat.new_zeros(flat.shape[:-1], dtype=dtype)

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import _varied as varied
 from ._backend import backend_of
-from ._dtensor import DTensor, distribute_tensor, new_value, storage_of
+from ._dtensor import DTensor, distribute_tensor, new_held, new_value, storage_of
 from ._errors import InputTypeError, LayoutError, explain
 from ._gathered_linear import gathered_linear
 from ._global_ops import implicit_replication
@@ -126,12 +126,18 @@ def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> Sha
                         chosen.append(name)
 
     values = {}
+    backend = backend_of(mesh)
     for name, tensor in params.items():
         value = distribute_tensor(tensor.detach(), mesh, specs[name], copy=True)
         storage = storage_of(value).detach()
+        layout, shape = value.sharding, value.shape
+        if name in trainable and backend.holds_leaf(layout, tuple(shape)):  # (as fd.Optimizer's)
+            held = backend.fold(storage, layout, backend.held_plan(layout)).clone()
+            values[name] = new_held(held.requires_grad_(tensor.requires_grad), layout, shape)
+            continue
         if name in trainable:
             storage = storage.requires_grad_(tensor.requires_grad)
-        values[name] = new_value(storage, value.sharding, value.shape)
+        values[name] = new_value(storage, layout, shape)
     sharded_params = {name: values[name] for name in params if name in trainable}
     buffers = {name: values[name] for name in params if name not in trainable}
 
@@ -440,9 +446,8 @@ class _Apply:
         with varied.scope(), implicit_replication():
             params = dict(params)
             for axis, names in self._replicated_over.items():
-                storages = varied.vary_all([storage_of(params[n]) for n in names], self._mesh, (axis,))
-                for name, storage in zip(names, storages):
-                    params[name] = new_value(storage, params[name].sharding, params[name].shape)
+                values = varied.vary_all([params[n] for n in names], self._mesh, (axis,))
+                params.update(zip(names, values))
             for source in (params, self._buffers):
                 for name, value in source.items():
                     for sub, attr in self._places[name]:

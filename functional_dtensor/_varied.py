@@ -26,7 +26,7 @@ import torch
 from . import _autograd as autograd
 from ._backend import backend_of
 from ._collectives import AllReduce, Pvary, SplitCotangent, on_storage
-from ._dtensor import DTensor, held_of, held_varied, new_held, storage_of
+from ._dtensor import DTensor, held_of, held_varied, new_held, new_value, storage_of
 from ._mesh import DeviceMesh
 
 __all__ = [
@@ -208,33 +208,37 @@ def invariant(storage: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 class _VaryAll(torch.autograd.Function):
     """The same storages, varied over ``axes``: the backward sums every gradient's parts over
-    ``axes`` in one all-reduce of their concatenation (per dtype)."""
+    ``axes`` in one all-reduce of their concatenation (per dtype). ``held``: per storage, the
+    layout of blocks held once, or None; their cotangent comes summed (see :func:`vary_all`)."""
 
     @staticmethod
-    def forward(mesh, axes, *storages):
+    def forward(mesh, spec, *storages):
         return tuple(s.view_as(s) for s in storages)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.axes = inputs[0], inputs[1]
+        ctx.mesh, (ctx.axes, ctx.held) = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads):
-        backend = backend_of(ctx.mesh)
+        backend, held = backend_of(ctx.mesh), ctx.held
         present = [g for g in grads if g is not None]
         again = any([g.requires_grad for g in present]) and not torch.compiler.is_compiling()
         if backend.one_process and not again:
             # one process: each large gradient summed where it lies (no concatenation to copy, no
             # copy of a transposed gradient), the small ones in one concatenation per dtype (one
-            # kernel, not one per gradient); recorded as the one bucketed all-reduce of the ranks.
-            # Its kernels are not differentiated: not where a gradient is differentiated again
-            # (compiled, never: AOT autograd compiles no double backward)
+            # kernel, not one per gradient), held ones summed already; recorded as the one
+            # bucketed all-reduce of the ranks. Its kernels are not differentiated: not where a
+            # gradient is differentiated again (compiled, never: AOT autograd compiles no double
+            # backward)
             _count_bucket("all_reduce", present, ctx.mesh, ctx.axes)
-            small = [g is not None and g[0].numel() < _BUCKETED_BELOW for g in grads]
-            summed = [
-                None if g is None or s else backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False)
-                for g, s in zip(grads, small)
+            small = [
+                g is not None and h is None and g[0].numel() < _BUCKETED_BELOW for g, h in zip(grads, held)
             ]
+            summed = list(grads)  # (a held one summed already; a small one from its concatenation)
+            for i, (g, h, s) in enumerate(zip(grads, held, small)):
+                if g is not None and h is None and not s:
+                    summed[i] = backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False)
             for indices in _by_dtype([g if s else None for g, s in zip(grads, small)]):
                 parts = [grads[i] for i in indices]
                 flat = torch.cat([g.reshape(g.shape[0], -1) for g in parts], dim=1)
@@ -242,6 +246,13 @@ class _VaryAll(torch.autograd.Function):
                 for i, piece in zip(indices, total.split([g[0].numel() for g in parts], dim=1)):
                     summed[i] = piece.reshape(grads[i].shape)
             return (None, None, *summed)
+        # differentiated again: a held cotangent joins the all-reduce as parts that sum to it
+        # (the one collective counted, every step differentiable), and is taken back held
+        positions = tuple([ctx.mesh.axis_position(a) for a in ctx.axes])
+        grads = [
+            g if g is None or h is None else backend.unfold(g, h, positions, parts=True)
+            for g, h in zip(grads, held)
+        ]
         lead = backend.block_dim(0)
         out = list(grads)
         for indices in _by_dtype(grads):
@@ -251,6 +262,7 @@ class _VaryAll(torch.autograd.Function):
             sizes = [g[(0,) * lead].numel() if lead else g.numel() for g in parts]
             for i, piece, g in zip(indices, summed.split(sizes, dim=lead), parts):
                 out[i] = piece.reshape(g.shape)
+        out = [g if h is None else backend.fold(g, h, backend.held_plan(h)) for g, h in zip(out, held)]
         return (None, None, *out)
 
 
@@ -259,17 +271,25 @@ class _VaryAll(torch.autograd.Function):
 _BUCKETED_BELOW = 1 << 14
 
 
-def vary_all(storages: list[torch.Tensor], mesh: DeviceMesh, axes) -> list[torch.Tensor]:
-    """``storages`` (replicated over ``axes``) varied over them; their gradients are summed
-    in one all-reduce per dtype."""
+def vary_all(values: list[DTensor], mesh: DeviceMesh, axes) -> list[DTensor]:
+    """``values`` (replicated over ``axes``) varied over them; their gradients are summed in
+    one all-reduce per dtype. A value held once stays so, varied (its storage, made from its
+    blocks, sums the devices' cotangent parts into the held one: no all-reduce writes them)."""
     axes = _ordered(mesh, axes)
-    needing = [i for i, s in enumerate(storages) if s.requires_grad]
+    needing = [i for i, v in enumerate(values) if v.requires_grad]
     if not axes or not needing or mesh.axis_size(axes) == 1:
-        return storages
-    varied = _applied(_VaryAll, mesh, axes, [storages[i] for i in needing])
-    out = list(storages)
-    for i, s in zip(needing, varied):
-        out[i] = mark(s, axes)
+        return values
+    held = tuple([values[i].sharding if held_of(values[i]) is not None else None for i in needing])
+    data = [storage_of(values[i]) if h is None else held_of(values[i]) for i, h in zip(needing, held)]
+    out = list(values)
+    for i, h, d in zip(needing, held, _applied(_VaryAll, mesh, (axes, held), data)):
+        value = values[i]
+        if h is None:
+            out[i] = new_value(mark(d, axes), value.sharding, value.shape)
+        else:  # (its blocks marked too: the global ops read any mark as "some value varies")
+            out[i] = new_held(
+                mark(d, axes), value.sharding, value.shape, held_varied(value) | frozenset(axes)
+            )
     return out
 
 

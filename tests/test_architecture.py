@@ -49,6 +49,7 @@ FLOORS = {
         "_fallback",
         "_op_decisions",
         "_global_ops",
+        "_folded_linear",
         "_user_rules",
         "ops.*",
         "_surface",

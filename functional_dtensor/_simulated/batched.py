@@ -198,6 +198,21 @@ def gathered_linear(x_held, weight, mesh, axis: str) -> torch.Tensor:
     return out.reshape(*x_held.shape[:-1], out.shape[-1])
 
 
+def folded_linear(x, weight_rows, bias_rows, mesh_shape, axes: tuple[int, ...]) -> torch.Tensor:
+    """``F.linear`` per device, device ``k``'s weight block (and bias) the held row of its
+    coordinates off ``axes``: the devices along ``axes`` lay their rows end to end, so one
+    product per held row contracts all of theirs (the weight's gradient summed over ``axes`` by
+    the product itself), then each device's rows go back to its block."""
+    dims = len(mesh_shape)
+    order = (*[a for a in range(dims) if a not in axes], *axes)
+    rows, features = x.shape[1:-1], x.shape[-1]
+    grid = x.reshape(*mesh_shape, math.prod(rows), features).permute(*order, dims, dims + 1)
+    out = _bmm(grid.reshape(weight_rows.shape[0], -1, features), weight_rows.mT, bias_rows)
+    out = out.reshape(*[mesh_shape[a] for a in order], math.prod(rows), out.shape[-1])
+    out = out.permute(*sorted(range(dims), key=order.__getitem__), dims, dims + 1)
+    return out.reshape(math.prod(mesh_shape), *rows, out.shape[-1])
+
+
 def mm(local, func, args, kwargs, ctx):
     """A matrix per device: one ``bmm``."""
     return _bmm(args[0], args[1])

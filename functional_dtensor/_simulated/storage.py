@@ -478,9 +478,13 @@ def fold(storage: torch.Tensor, layout: Layout, plan: Held, summed: tuple[int, .
     return _taken(storage, layout.mesh.shape, plan, summed, False)
 
 
-def unfold(held: torch.Tensor, layout: Layout, summed: tuple[int, ...] = ()) -> torch.Tensor:
-    """Every device's block of a held value in ``layout`` (``summed``: as :func:`fold`'s)."""
+def unfold(
+    held: torch.Tensor, layout: Layout, summed: tuple[int, ...] = (), *, parts: bool = False
+) -> torch.Tensor:
+    """Every device's block of a held value in ``layout`` (``summed``: as :func:`fold`'s);
+    with ``parts``, parts that sum to it along the ``summed`` axes (the block at coordinate 0,
+    zeros at the others)."""
     plan = held_plan(layout)
     if held.requires_grad:
-        return autograd.apply(_Moved, held, layout.mesh.shape, plan, summed, False, False)
-    return _spread(held, layout.mesh.shape, plan, summed, False)
+        return autograd.apply(_Moved, held, layout.mesh.shape, plan, summed, False, parts)
+    return _spread(held, layout.mesh.shape, plan, summed, parts)

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import _rules as rules
-from .._dtensor import DTensor
+from .._dtensor import DTensor, held_of
 from .._errors import InputTypeError, ShapeError, explain
+from .._folded_linear import folded_linear
 from .._global_ops import dispatch
 from .._op_decisions import Handler, register, resolved
 from .._placements import Shard
@@ -118,6 +119,10 @@ def _linear(func, args, kwargs, ctx):
         and weight.ndim == 2
         and (bias is None or bias.shape == weight.shape[:1])
     ):
+        if held_of(weight) is not None:  # (a parameter held once: the simulated mesh)
+            out = folded_linear(_linear_layer, x, weight, bias)
+            if out is not None:
+                return out
         return dispatch(_linear_layer, operands, {}, _LINEAR_LAYER)
     out = torch.matmul(x, torch.t(weight))  # torch functions, not operators: they compile
     return out if bias is None else torch.add(out, bias)

@@ -115,8 +115,11 @@ def _autograd_grad(func, args, kwargs, ctx):
 
 def gradient_value(g: torch.Tensor, value: DTensor) -> DTensor:
     """The gradient ``g`` of ``value``'s storage, or of its blocks held once, as a value laid
-    out like it (Partial axes as Replicate)."""
+    out like it (Partial axes as Replicate): held once as well where ``value`` is (an
+    optimizer reads the blocks as they are)."""
     if held_of(value) is not None:
+        if not value.sharding.has_partial:
+            return new_held(g, value.sharding, value.shape)
         g = storage_of(new_held(g, value.sharding, value.shape))
     return DTensor(g, without_partial(value.sharding), value.shape)
 

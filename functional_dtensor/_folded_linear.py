@@ -1,0 +1,140 @@
+"""A linear layer on a batch split over the axes its weight is held once along (simulated mesh).
+
+A parameter replicated over a data-parallel axis is held once there after an ``fd.Optimizer``
+step (one block per distinct shard). A linear layer whose input is split over that axis by rows
+(the batch) gives every device along it the same weight block. Apart, that block is copied to
+each of them, each device's product contracts its own few rows, and backward their parts of the
+weight's gradient are summed over the axis (data parallelism's all-reduce). Folded, the devices
+along the axis lay their rows end to end: one product per held block, of one device's shapes,
+whose contraction sums the weight's gradient over the axis itself. It pays where the rows are
+fewer than the weight's elements (the rows are moved instead); elsewhere the op runs as any
+other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _varied as varied
+from ._backend import backend_of
+from ._cache import Bounded
+from ._collectives import Pvary, on_storage
+from ._dtensor import DTensor, held_of, held_varied, new_value, storage_of
+from ._functorch import is_transformed
+from ._global_ops import decision_for
+from ._redistribute import redistribute
+from ._sharding import shard_table
+
+__all__ = ["folded_linear"]
+
+
+class _Folding:
+    """What a folded linear of some layouts and shapes needs: the weight's held plan and its
+    axes, the decision's ``pvary`` per operand, its output layout and shape, and the layout the
+    bias takes."""
+
+    __slots__ = ("plan", "pvary", "output", "shape", "axes", "bias")
+
+    def __init__(self, plan, pvary, output, shape, axes, bias) -> None:
+        self.plan, self.pvary, self.output, self.shape, self.axes = plan, pvary, output, shape, axes
+        self.bias = bias
+
+
+#: (layouts, shapes and dtypes of the operands) -> a _Folding, or None where it does not apply
+_FOLDINGS = Bounded(4096, "folded linear: plans")
+
+
+def folded_linear(layer, x, weight, bias) -> DTensor | None:
+    """``layer(x, weight, bias)`` (``F.linear`` of values) folded, where ``weight`` is held
+    once along axes that split ``x`` by rows, and the rows are fewer than the weight's
+    elements; None where this does not apply (the caller runs the op)."""
+    if held_of(weight) is None or type(x) is not DTensor or held_of(x) is not None:
+        return None
+    if bias is not None and type(bias) is not DTensor or torch.compiler.is_compiling():
+        return None
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    key = tuple([(t.sharding, t.shape, t.dtype) for t in operands])
+    folding = _FOLDINGS.get(key)
+    if folding is None and key not in _FOLDINGS:
+        folding = _FOLDINGS[key] = _folding(layer, operands)
+    if folding is None or is_transformed(held_of(weight)) or is_transformed(storage_of(x)):
+        return None
+    mesh = x.device_mesh
+    replicated = {n for n, p in zip(mesh.axis_names, folding.output.placements) if p.is_replicate()}
+    operands_varied = [varied.axes_of_value(t) for t in operands]
+    if any([axes & replicated for axes in operands_varied]):  # (its output varied there: the op's path)
+        return None
+    grad, backend = torch.is_grad_enabled(), backend_of(mesh)
+    weight_rows = _held_operand(weight, folding.pvary[1], mesh, grad)
+    bias_rows = None
+    if bias is not None:
+        if bias.sharding != folding.bias:  # (Replicate to Partial: a row-parallel bias)
+            bias = redistribute(bias, folding.bias)
+        if held_of(bias) is not None and backend.held_plan(bias.sharding) == folding.plan:
+            bias_rows = _held_operand(bias, folding.pvary[2], mesh, grad)
+        else:  # its stacked storage (marked where varied) at coordinate 0 of the held axes
+            storage = varied.marked_storage(bias)
+            along = varied.axes_of(storage) | set(folding.pvary[2])  # (varied there after its pvary)
+            storage = _stacked_operand(storage, folding.pvary[2], mesh, grad)
+            summed = tuple([a for a in folding.axes if mesh.axis_names[a] in along])
+            bias_rows = backend.fold(storage, bias.sharding, folding.plan, summed)
+    rows = _stacked_operand(storage_of(x), folding.pvary[0], mesh, grad)
+    out = backend.folded_linear(rows, weight_rows, bias_rows, mesh.shape, folding.axes)
+    return new_value(out, folding.output, folding.shape)
+
+
+def _folding(layer, operands) -> _Folding | None:
+    x, weight = operands[0], operands[1]
+    bias = operands[2] if len(operands) > 2 else None
+    if len({t.dtype for t in operands}) > 1 or weight.ndim != 2 or x.ndim < 2:
+        return None
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != weight.shape[0]):
+        return None
+    mesh = x.device_mesh
+    if any([t.device_mesh != mesh for t in operands]):
+        return None
+    backend = backend_of(mesh)
+    plan = backend.held_plan(weight.sharding)
+    if plan is None:
+        return None
+    for a in plan.axes:  # x split by rows along each of the weight's held axes
+        p = x.placements[a]
+        if not p.is_shard() or p.dim % x.ndim == x.ndim - 1:
+            return None
+    _, _, decision = decision_for(layer, operands, {})
+    along = {mesh.axis_names[a] for a in plan.axes}
+    if not (decision.fits[0] and decision.fits[1]) or not set(decision.pvary[1]) <= along:
+        return None
+    bias_layout = decision.inputs[2] if bias is not None else None
+    if bias_layout is not None and any([not bias_layout.placements[a].is_replicate() for a in plan.axes]):
+        return None
+    block = shard_table(x.sharding, tuple(x.shape)).padded_shape
+    rows, features = math.prod(block[:-1]), block[-1]
+    out_features = shard_table(weight.sharding, tuple(weight.shape)).padded_shape[0]
+    if rows * (features + out_features) > features * out_features:
+        return None  # the rows outweigh the weight: moving them costs more than its copies
+    shape = torch.Size(decision.out_shapes[0])
+    return _Folding(plan, decision.pvary, decision.output, shape, plan.axes, bias_layout)
+
+
+def _held_operand(value: DTensor, needed, mesh, grad: bool) -> torch.Tensor:
+    """``value``'s held blocks through ``pvary`` over the axes of ``needed`` (axes it is held
+    along) it is not varied over already: its gradient is summed there, counted."""
+    held = held_of(value)
+    need = set(needed) - held_varied(value)
+    if not need or not grad or not held.requires_grad:
+        return held
+    axes = tuple(n for n in mesh.axis_names if n in need)
+    return varied.pvaried_held(held, mesh, axes) if varied.TABLE else varied.pvary_held(held, mesh, axes)
+
+
+def _stacked_operand(storage: torch.Tensor, needed, mesh, grad: bool) -> torch.Tensor:
+    """A stacked operand's storage through ``pvary`` over the axes of ``needed`` it is not
+    varied over (as the global ops give it)."""
+    need = set(needed) - varied.axes_of(storage)
+    if not need or not grad or not storage.requires_grad:
+        return storage
+    axes = tuple(n for n in mesh.axis_names if n in need)
+    return varied.pvaried(storage, mesh, axes) if varied.TABLE else on_storage(storage, mesh, Pvary, axes)

@@ -1,0 +1,206 @@
+"""Parameters replicated over a mesh axis are held once on the simulated mesh, as
+``fd.parallelize_module`` lays them out and as each ``fd.Optimizer`` step gives them back: the
+optimizer writes each distinct block once, their gradients come back
+summed over the data-parallel axis straight into the held blocks, and a linear layer whose batch
+is split over that axis runs one product per held block (the rows of the devices along it end
+to end). Values, gradients (first and second order) and communication equal one device's, the
+stacked form's and the distributed backend's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backends import events
+from common import assert_close, held_at_any_size
+from torch import nn
+
+import functional_dtensor as fd
+from functional_dtensor._dtensor import held_of
+from functional_dtensor._simulated import batched, storage
+
+#: (mesh shape, axis names, plan): tensor parallel over "tp" with data parallel over "dp"
+#: (either order of the axes), and data parallel alone (every parameter replicated)
+PLANS = {
+    "dp-tp": ((2, 2), ("dp", "tp"), "tp"),
+    "tp-dp": ((2, 2), ("tp", "dp"), "tp"),
+    "dp": ((4,), ("dp",), None),
+}
+STEPS = 3
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).double()
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(
+        8, 8, generator=g, dtype=torch.float64
+    )
+
+
+def plan(tp: str | None) -> dict:
+    styles = {"": fd.ReplicateParallel("dp")}
+    if tp is not None:
+        styles |= {"0": fd.ColwiseParallel(), "2": fd.RowwiseParallel()}
+    return styles
+
+
+def train_on_mesh(mesh, tp: str | None, held: bool) -> dict:
+    """``STEPS`` steps of AdamW with clipping on the mesh: each step's loss, gradients,
+    collectives and which parameters and gradients are held, and the last parameters."""
+    out = {"losses": [], "grads": [], "comm": [], "held params": [], "held grads": []}
+    with held_at_any_size() if held else _held_never():
+        sharded = fd.parallelize_module(model(), mesh, plan(tp))
+        params = sharded.params
+        opt = fd.Optimizer(torch.optim.AdamW, params, lr=0.05)
+        for step in range(STEPS):
+            x, y = (fd.distribute_tensor(t, mesh, fd.P("dp")) for t in batch(step))
+            with fd.CommDebugMode() as comm:
+                loss = ((sharded.apply(params, x) - y) ** 2).mean()
+                grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+            out["held params"].append(sorted(n for n, p in params.items() if held_of(p) is not None))
+            out["held grads"].append(sorted(n for n, g in grads.items() if held_of(g) is not None))
+            grads, _ = fd.clip_grad_norm(grads, 0.5)
+            out["losses"].append(loss.full_tensor().detach())
+            out["grads"].append({n: g.full_tensor() for n, g in grads.items()})
+            out["comm"].append(events(comm))
+            params = opt.step(params, grads)
+    out["params"] = {n: p.full_tensor() for n, p in params.items()}
+    return out
+
+
+class _held_never:
+    """Nothing held once (the stacked form throughout)."""
+
+    def __enter__(self):
+        self.before, storage.HELD_MIN_ELEMENTS = storage.HELD_MIN_ELEMENTS, float("inf")
+
+    def __exit__(self, *exc):
+        storage.HELD_MIN_ELEMENTS = self.before
+
+
+def train_on_one_device() -> dict:
+    one = model()
+    opt = torch.optim.AdamW(one.parameters(), lr=0.05)
+    out = {"losses": [], "grads": []}
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = ((one(x) - y) ** 2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(one.parameters(), 0.5)
+        out["losses"].append(loss.detach())
+        out["grads"].append({n: p.grad.clone() for n, p in one.named_parameters()})
+        opt.step()
+    out["params"] = {n: p.detach() for n, p in one.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_data_parallel_parameters_are_held_once_and_train_as_one_device(monkeypatch, name):
+    shape, names, tp = PLANS[name]
+    folded = []
+    monkeypatch.setattr(batched, "folded_linear", _spy(batched.folded_linear, folded))
+    got = train_on_mesh(fd.simulated_mesh(shape, names), tp, held=True)
+    want = train_on_one_device()
+    for key in ("losses", "grads", "params"):
+        assert_close(got[key], want[key])
+    # every parameter (as laid out, then as each step gives it) and gradient is held once:
+    # each is replicated over "dp"
+    everything = sorted(want["params"])
+    assert got["held params"] == [everything] * STEPS
+    assert got["held grads"] == [everything] * STEPS
+    assert len(folded) == 2 * STEPS  # both linear layers of each step, folded
+    # the same collectives as the stacked form's, step by step
+    stacked = train_on_mesh(fd.simulated_mesh(shape, names), tp, held=False)
+    assert got["comm"] == stacked["comm"]
+    assert stacked["held params"] == [[]] * STEPS
+
+
+def _spy(kernel, calls: list):
+    def spied(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    return spied
+
+
+def held_training_job(mesh, tp) -> dict:
+    with held_at_any_size():
+        got = train_on_mesh(mesh, tp, held=True)
+    return {key: got[key] for key in ("losses", "grads", "params", "comm")}
+
+
+@pytest.mark.meshes((2, 2))
+def test_held_parameters_train_as_the_distributed_backend(backend, mesh):
+    """A rank holds one block anyway: the same values, gradients and collectives."""
+    results = backend.run(held_training_job, mesh.shape, ("dp", "tp"), "tp", timeout=120)
+    expected = held_training_job(fd.simulated_mesh(mesh.shape, ("dp", "tp")), "tp")
+    values = ("losses", "grads", "params")
+    for result in results:
+        assert_close({k: result[k] for k in values}, {k: expected[k] for k in values})
+        assert result["comm"] == expected["comm"]
+
+
+def test_a_second_derivative_through_held_parameters_equals_one_device():
+    """A gradient penalty differentiates the data-parallel sum of held gradients again."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    with held_at_any_size():
+        sharded = fd.parallelize_module(model(), mesh, plan("tp"))
+        params = sharded.params
+        opt = fd.Optimizer(torch.optim.SGD, params, lr=0.1)
+        x, y = (fd.distribute_tensor(t, mesh, fd.P("dp")) for t in batch(0))
+        loss = ((sharded.apply(params, x) - y) ** 2).mean()
+        params = opt.step(params, dict(zip(params, torch.autograd.grad(loss, list(params.values())))))
+        assert all(held_of(p) is not None for p in params.values())
+        with fd.CommDebugMode() as comm:
+            loss = ((sharded.apply(params, x) - y) ** 2).mean()
+            grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+            penalty = sum((g**2).sum() for g in grads)
+            second = torch.autograd.grad(penalty, list(params.values()))
+    one = model()
+    with torch.no_grad():
+        for n, p in one.named_parameters():
+            p.copy_(params[n].full_tensor())
+    x, y = batch(0)
+    want_loss = ((one(x) - y) ** 2).mean()
+    want_grads = torch.autograd.grad(want_loss, list(one.parameters()), create_graph=True)
+    want_second = torch.autograd.grad(sum((g**2).sum() for g in want_grads), list(one.parameters()))
+    assert_close([g.full_tensor() for g in grads], list(want_grads))
+    assert_close([g.full_tensor() for g in second], list(want_second))
+    assert sum(e.op == "all_reduce" for e in comm.events) >= 2  # the gradients' sums, both ways
+
+
+def test_a_held_parameter_read_outside_autograd_still_takes_its_gradient():
+    """Its storage, made from the held blocks while autograd is off, is not kept for later
+    differentiated uses: those reach the blocks."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    with held_at_any_size():
+        w = fd.distribute_tensor(torch.arange(8.0).reshape(4, 2).requires_grad_(), mesh, fd.P(None, "tp"))
+        opt = fd.Optimizer(torch.optim.SGD, {"w": w}, lr=0.5)
+        w = opt.step({"w": w}, {"w": torch.ones_like(w)})["w"]
+        assert held_of(w) is not None
+        with torch.no_grad():
+            read = w.local_shards()
+        x = fd.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, fd.P("dp", "tp"))
+        (grad,) = torch.autograd.grad((w * x).sum(), [w])  # (a product split over dp: stacked)
+    assert len(read) == 4
+    assert torch.equal(grad.full_tensor(), torch.arange(8.0).reshape(4, 2))
+
+
+def test_only_large_parameters_are_held():
+    """Below the simulated storage's threshold a block stays stacked: the Python of holding
+    it outweighs the copies it saves."""
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    sharded = fd.parallelize_module(model(), mesh, plan("tp"))
+    params = sharded.params
+    opt = fd.Optimizer(torch.optim.SGD, params, lr=0.1)
+    grads = {n: torch.zeros_like(p) for n, p in params.items()}
+    assert all(held_of(p) is None for p in opt.step(params, grads).values())
+    big = {"w": fd.distribute_tensor(torch.zeros(2 * storage.HELD_MIN_ELEMENTS, 2), mesh, fd.P(None, "tp"))}
+    opt = fd.Optimizer(torch.optim.SGD, big, lr=0.1)
+    stepped = opt.step(big, {"w": torch.ones_like(big["w"])})
+    assert held_of(stepped["w"]) is not None and held_of(stepped["w"]).shape[0] == 2
+    assert torch.equal(stepped["w"].full_tensor(), torch.full((2 * storage.HELD_MIN_ELEMENTS, 2), -0.1))
