@@ -332,6 +332,10 @@ def with_grad_layout(
 def storage_of(x: DTensor) -> torch.Tensor:
     """The backend's storage of ``x`` (for the transformations above this module); that of a
     value held once is made from its blocks when first read, and kept."""
+    if x._held is None:
+        return x._storage
+    if torch.compiler.is_compiling():  # (made in the graph: what eager code kept is no guard)
+        return _made_from_blocks(x)
     storage = x._storage
     return _made_from_blocks(x) if storage is None else storage
 

@@ -301,7 +301,7 @@ def _gather_hook(names, places, mesh, axis):
             if isinstance(value, DTensor) and _sharded_over(value.sharding, axis):  # not gathered yet
                 values[name] = value
         even = [n for n, v in values.items() if _even_on_dim0(v)]
-        storages = varied.gather_unit([storage_of(values[n]) for n in even], mesh, axis)
+        storages = varied.gather_unit([varied.marked_storage(values[n]) for n in even], mesh, axis)
         gathered = {
             n: new_value(s, _gathered(values[n].sharding), values[n].shape) for n, s in zip(even, storages)
         }

@@ -204,3 +204,42 @@ def test_only_large_parameters_are_held():
     stepped = opt.step(big, {"w": torch.ones_like(big["w"])})
     assert held_of(stepped["w"]) is not None and held_of(stepped["w"]).shape[0] == 2
     assert torch.equal(stepped["w"].full_tensor(), torch.full((2 * storage.HELD_MIN_ELEMENTS, 2), -0.1))
+
+
+def test_a_compiled_loss_takes_held_parameters_without_compiling_again():
+    """Held parameters read eagerly (their storage kept) or not at all (an optimizer's new
+    ones) run the graph compiled already, with the eager values and gradients."""
+    torch._dynamo.reset()
+    mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    with held_at_any_size():
+        params = {
+            "w": fd.distribute_tensor(
+                torch.randn(8, 6, generator=g).requires_grad_(), mesh, fd.P(None, "tp")
+            ),
+            "b": fd.distribute_tensor(torch.randn(6, generator=g).requires_grad_(), mesh, fd.P("tp")),
+        }
+        opt = fd.Optimizer(torch.optim.SGD, params, lr=0.1)
+        params = opt.step(params, {n: torch.ones_like(p) for n, p in params.items()})
+        x = fd.distribute_tensor(torch.randn(4, 8, generator=g), mesh, fd.P("dp"))
+
+        def loss_of(params):
+            return (torch.matmul(x, params["w"]) + params["b"]).square().mean()
+
+        compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
+        for step in range(3):
+            if step == 0:  # compiled after an eager call, which made and kept the storages
+                want = loss_of(params)
+                want_grads = torch.autograd.grad(want, list(params.values()))
+            got = compiled(params)
+            grads = torch.autograd.grad(got, list(params.values()))
+            if step == 0:
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            else:  # then on an optimizer's new parameters, never read
+                want = loss_of(params)
+                want_grads = torch.autograd.grad(want, list(params.values()))
+            assert_close(got.full_tensor(), want.full_tensor())
+            assert_close([g.full_tensor() for g in grads], [g.full_tensor() for g in want_grads])
+            assert all(held_of(p) is not None for p in params.values())
+            params = opt.step(params, dict(zip(params, grads)))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
