@@ -262,7 +262,10 @@ class _VaryAll(torch.autograd.Function):
             sizes = [g[(0,) * lead].numel() if lead else g.numel() for g in parts]
             for i, piece, g in zip(indices, summed.split(sizes, dim=lead), parts):
                 out[i] = piece.reshape(g.shape)
-        out = [g if h is None else backend.fold(g, h, backend.held_plan(h)) for g, h in zip(out, held)]
+        out = [
+            g if g is None or h is None else backend.fold(g, h, backend.held_plan(h))
+            for g, h in zip(out, held)
+        ]
         return (None, None, *out)
 
 
