@@ -1,7 +1,8 @@
 """A linear layer on a batch split over the axes its weight is held once along (simulated mesh).
 
-A parameter replicated over a data-parallel axis is held once there after an ``fd.Optimizer``
-step (one block per distinct shard). A linear layer whose input is split over that axis by rows
+A parameter replicated over a data-parallel axis is held once there, as
+``fd.parallelize_module`` lays it out and each ``fd.Optimizer`` step returns it (one block per
+distinct shard). A linear layer whose input is split over that axis by rows
 (the batch) gives every device along it the same weight block. Apart, that block is copied to
 each of them, each device's product contracts its own few rows, and backward their parts of the
 weight's gradient are summed over the axis (data parallelism's all-reduce). Folded, the devices
@@ -14,6 +15,7 @@ other.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,22 +26,24 @@ from ._collectives import Pvary, on_storage
 from ._dtensor import DTensor, held_of, held_varied, new_value, storage_of
 from ._functorch import is_transformed
 from ._global_ops import decision_for
+from ._layout import Layout
 from ._redistribute import redistribute
 from ._sharding import shard_table
 
 __all__ = ["folded_linear"]
 
 
-class _Folding:
+class _Folding(NamedTuple):
     """What a folded linear of some layouts and shapes needs: the weight's held plan and its
     axes, the decision's ``pvary`` per operand, its output layout and shape, and the layout the
     bias takes."""
 
-    __slots__ = ("plan", "pvary", "output", "shape", "axes", "bias")
-
-    def __init__(self, plan, pvary, output, shape, axes, bias) -> None:
-        self.plan, self.pvary, self.output, self.shape, self.axes = plan, pvary, output, shape, axes
-        self.bias = bias
+    plan: Any
+    pvary: tuple
+    output: Layout
+    shape: torch.Size
+    axes: tuple[int, ...]
+    bias: Layout | None
 
 
 #: (layouts, shapes and dtypes of the operands) -> a _Folding, or None where it does not apply

@@ -28,9 +28,9 @@ PLANS = {
 STEPS = 3
 
 
-def model() -> nn.Module:
+def model(hidden: int = 16) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).double()
+    return nn.Sequential(nn.Linear(8, hidden), nn.GELU(), nn.Linear(hidden, 8)).double()
 
 
 def batch(step: int):
@@ -243,3 +243,26 @@ def test_a_compiled_loss_takes_held_parameters_without_compiling_again():
             assert all(held_of(p) is not None for p in params.values())
             params = opt.step(params, dict(zip(params, grads)))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")], ids="-".join)
+@pytest.mark.parametrize("rows", [(2, 3), (3, 2)], ids=str)
+def test_a_folded_linear_equals_one_device(monkeypatch, names, rows):
+    """Batches of several dims, one split unevenly over "dp"; a column- and a row-parallel
+    layer with biases (wide enough to fold): values and gradients are one device's."""
+    folded = []
+    monkeypatch.setattr(batched, "folded_linear", _spy(batched.folded_linear, folded))
+    mesh = fd.simulated_mesh((2, 2), names)
+    x = torch.randn(*rows, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with held_at_any_size():
+        sharded = fd.parallelize_module(model(64), mesh, plan("tp"))
+        params = sharded.params
+        out = sharded.apply(params, fd.distribute_tensor(x.requires_grad_(), mesh, fd.P("dp")))
+        loss = (out.full_tensor() ** 2).sum()
+        grads = torch.autograd.grad(loss, [x, *params.values()])
+    one = model(64)
+    want_out = one(x)
+    want = torch.autograd.grad((want_out**2).sum(), [x, *one.parameters()])
+    assert len(folded) == 2
+    assert_close(out.full_tensor(), want_out)
+    assert_close([grads[0], *[g.full_tensor() for g in grads[1:]]], list(want))
