@@ -331,7 +331,8 @@ def with_grad_layout(
 
 def storage_of(x: DTensor) -> torch.Tensor:
     """The backend's storage of ``x`` (for the transformations above this module); that of a
-    value held once is made from its blocks when first read, and kept."""
+    value held once is made from its blocks when first read, and kept (in a compiled graph,
+    made at each read)."""
     if x._held is None:
         return x._storage
     if torch.compiler.is_compiling():  # (made in the graph: what eager code kept is no guard)
