@@ -412,12 +412,7 @@ class Backend:
         """Whether a value computed outside a program (an optimizer's updated parameter, a
         parameter's gradient) is kept held once in ``layout`` (see :meth:`held_plan`): an axis
         replicates it, its blocks are even and large enough, and no axis is Partial."""
-        return (
-            self.held_plan(layout) is not None
-            and not layout.has_partial
-            and shard_table(layout, shape).is_even
-            and self.holds(layout, shape)
-        )
+        return self.stacked and _holds_leaf(layout, tuple(shape), self.held_min_elements)
 
     def from_distinct(self, distinct: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """The storage whose blocks :meth:`distinct` reads are ``distinct`` (a grid of one
@@ -431,6 +426,17 @@ class Backend:
 
 
 @cached(1024)
+@cached(4096)
+def _holds_leaf(layout: Layout, shape: tuple[int, ...], min_elements: int) -> bool:
+    table = shard_table(layout, shape)
+    return (
+        simulated_storage.held_plan(layout) is not None
+        and not layout.has_partial
+        and table.is_even
+        and math.prod(table.padded_shape) >= min_elements
+    )
+
+
 def _distinct_index(layout: Layout) -> tuple[slice, ...]:
     """The index of a stacked storage's grid that :meth:`Backend.distinct` reads: coordinate 0
     of the replicated axes, all of the others."""
