@@ -22,7 +22,6 @@ import torch
 from . import _varied as varied
 from ._backend import backend_of
 from ._cache import Bounded
-from ._collectives import Pvary, on_storage
 from ._dtensor import DTensor, held_of, held_varied, new_value, storage_of
 from ._functorch import is_transformed
 from ._global_ops import decision_for
@@ -81,10 +80,10 @@ def folded_linear(layer, x, weight, bias) -> DTensor | None:
         else:  # its stacked storage (marked where varied) at coordinate 0 of the held axes
             storage = varied.marked_storage(bias)
             along = varied.axes_of(storage) | set(folding.pvary[2])  # (varied there after its pvary)
-            storage = _stacked_operand(storage, folding.pvary[2], mesh, grad)
+            storage = varied.pvaried_where_needed(storage, mesh, folding.pvary[2], grad)
             summed = tuple([a for a in folding.axes if mesh.axis_names[a] in along])
             bias_rows = backend.fold(storage, bias.sharding, folding.plan, summed)
-    rows = _stacked_operand(storage_of(x), folding.pvary[0], mesh, grad)
+    rows = varied.pvaried_where_needed(storage_of(x), mesh, folding.pvary[0], grad)
     out = backend.folded_linear(rows, weight_rows, bias_rows, mesh.shape, folding.axes)
     return new_value(out, folding.output, folding.shape)
 
@@ -132,13 +131,3 @@ def _held_operand(value: DTensor, needed, mesh, grad: bool) -> torch.Tensor:
         return held
     axes = tuple(n for n in mesh.axis_names if n in need)
     return varied.pvaried_held(held, mesh, axes) if varied.TABLE else varied.pvary_held(held, mesh, axes)
-
-
-def _stacked_operand(storage: torch.Tensor, needed, mesh, grad: bool) -> torch.Tensor:
-    """A stacked operand's storage through ``pvary`` over the axes of ``needed`` it is not
-    varied over (as the global ops give it)."""
-    need = set(needed) - varied.axes_of(storage)
-    if not need or not grad or not storage.requires_grad:
-        return storage
-    axes = tuple(n for n in mesh.axis_names if n in need)
-    return varied.pvaried(storage, mesh, axes) if varied.TABLE else on_storage(storage, mesh, Pvary, axes)

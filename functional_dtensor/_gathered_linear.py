@@ -15,7 +15,6 @@ import torch
 from . import _autograd as autograd
 from . import _varied as varied
 from ._backend import backend_of
-from ._collectives import Pvary, on_storage
 from ._dtensor import DTensor, data_of, held_of, held_varied, new_held
 from ._functorch import is_transformed
 from ._placements import Replicate, Shard
@@ -84,11 +83,4 @@ def _varied_parameter(p: DTensor, batch: tuple[str, ...], grad: bool) -> torch.T
     those it is not varied over already (its gradient is each device's part there), as the
     global ops give it (see :func:`._global_ops._varied_inputs`)."""
     storage = varied.marked_storage(p)  # (a parameter held once: made from its blocks)
-    if not grad or not storage.requires_grad:
-        return storage
-    if not varied.TABLE:
-        return on_storage(storage, p.device_mesh, Pvary, batch) if batch else storage
-    need = set(batch) - varied.axes_of(storage)
-    if not need:
-        return storage
-    return varied.pvaried(storage, p.device_mesh, tuple(n for n in batch if n in need))
+    return varied.pvaried_where_needed(storage, p.device_mesh, batch, grad)

@@ -39,6 +39,7 @@ __all__ = [
     "pvaried_held",
     "pvary_held",
     "pvaried_stacked",
+    "pvaried_where_needed",
     "mark",
     "pvaried",
     "scope",
@@ -92,6 +93,19 @@ def pvaried_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) ->
     which they are held, once per forward: a held cotangent is the sum of the devices' parts
     already, so nothing is summed; the all-reduce the distributed backend runs is counted."""
     return _once(held, (*axes, "held"), pvary_held, held, mesh, axes)
+
+
+def pvaried_where_needed(storage: torch.Tensor, mesh: DeviceMesh, axes, grad: bool) -> torch.Tensor:
+    """``storage`` through ``pvary`` over those of ``axes`` it is not varied over already (its
+    gradient is each device's part there), as the global ops give an input: once per forward
+    where a sharded forward marks values."""
+    if not axes or not grad or not storage.requires_grad:
+        return storage
+    need = set(axes) - axes_of(storage)
+    ordered = tuple(n for n in mesh.axis_names if n in need)
+    if not ordered:
+        return storage
+    return pvaried(storage, mesh, ordered) if TABLE else on_storage(storage, mesh, Pvary, ordered)
 
 
 def pvary_held(held: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]) -> torch.Tensor:
