@@ -222,6 +222,15 @@ def _flattened(tree, compiling: bool) -> tuple[list, optree.PyTreeSpec]:
     return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
+def _unflattened(treedef: optree.PyTreeSpec, leaves: list):
+    """``treedef.unflatten(leaves)``; a tensor's or a tuple's structure without optree's pass."""
+    if treedef is _LEAF:
+        return leaves[0]
+    if len(leaves) < len(_TUPLES) and treedef is _TUPLES[len(leaves)]:
+        return tuple(leaves)
+    return treedef.unflatten(leaves)
+
+
 #: the structures of a tensor and of tuples of 0 to 7 tensors
 _LEAF = optree.tree_structure(0, none_is_leaf=True, namespace=NAMESPACE)
 _TUPLES = [optree.tree_structure((0,) * n, none_is_leaf=True, namespace=NAMESPACE) for n in range(8)]
@@ -289,7 +298,7 @@ def _run(m: _Mapping, args):
                 for v, axes in zip(local_leaves, plan.axes):
                     tagged.append(v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes))
                 local_leaves = tagged
-            local_args = treedef.unflatten(local_leaves)
+            local_args = _unflattened(treedef, local_leaves)
             if mode is None:
                 outputs = m.f(*local_args)
             elif compiling:
@@ -330,7 +339,7 @@ def _run(m: _Mapping, args):
             if not m.check_rep and not layout.is_fully_sharded:
                 storage = on_storage(storage, m.mesh, SplitCotangent, _replica_axes(layout))
             values.append(new_value(storage, layout, shape))
-    return tree.unflatten(values)
+    return _unflattened(tree, values)
 
 
 #: (layout, the storage's shape) -> the global shape of its even blocks
@@ -518,18 +527,18 @@ def _leave(m: _Mapping, outputs, compiling: bool):
             flat.append(value)
             layouts.append(None)
             continue
-        if isinstance(value, (bool, int, float, complex)) and not spec:  # with spec P(): 0-d (as JAX)
-            value = torch.tensor(value, device=m.mesh.device_type)
         if not isinstance(value, torch.Tensor):
-            raise InputTypeError(
-                explain(
-                    where,
-                    "the per-device function must return local tensors",
-                    expected="a torch.Tensor",
-                    got=type(value).__name__,
-                    fix="return tensors; compute other values outside shard_map",
+            if not isinstance(value, (bool, int, float, complex)) or spec:
+                raise InputTypeError(
+                    explain(
+                        where,
+                        "the per-device function must return local tensors",
+                        expected="a torch.Tensor",
+                        got=type(value).__name__,
+                        fix="return tensors; compute other values outside shard_map",
+                    )
                 )
-            )
+            value = torch.tensor(value, device=m.mesh.device_type)  # with spec P(): 0-d (as JAX)
         layout = plan.layouts[i].get(value.dim())
         if layout is None:
             layout = plan.layouts[i][value.dim()] = _layout(m.mesh, spec, value.dim(), where)
@@ -544,6 +553,8 @@ def _checked_replication(mesh: DeviceMesh, value: torch.Tensor, spec: P, allowed
     """``value``, refused if it may vary over axes its spec says it is replicated over, and
     made to vary over the axes the spec names that it does not vary over yet."""
     varying = axes_varying(value)
+    if varying == allowed:  # (the usual case: no set to build)
+        return value
     extra = varying - allowed
     if extra:
         names = tuple(sorted(extra, key=mesh.axis_position))
