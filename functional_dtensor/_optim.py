@@ -36,6 +36,7 @@ import optree
 import torch
 
 from ._backend import backend_of
+from ._cache import cached
 from ._dtensor import DTensor, data_of, held_of, new_held, new_value, parts_of, storage_of, without_partial
 from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
 from ._layout import Layout
@@ -215,6 +216,17 @@ class Optimizer(torch.optim.Optimizer):
         return backend.distinct(storage_of(value), value.sharding)
 
     @staticmethod
+    def _gradient(grad: DTensor, dtype: torch.dtype) -> torch.Tensor:
+        """The distinct blocks of ``grad`` in ``dtype``, contiguous like the parameter's (the
+        elementwise update reads both in one order)."""
+        blocks = Optimizer._distinct(grad)
+        if blocks.requires_grad:  # (a gradient taken with create_graph)
+            blocks = blocks.detach()
+        if blocks.dtype != dtype:
+            blocks = blocks.to(dtype)
+        return blocks.contiguous()
+
+    @staticmethod
     def _updated(distinct: torch.Tensor, layout, shape, requires_grad: bool) -> DTensor:
         """The value whose distinct blocks are ``distinct``: held once where the backend keeps
         it so (the simulated mesh: each block once, not a copy per replica), else its storage."""
@@ -248,7 +260,8 @@ class Optimizer(torch.optim.Optimizer):
         for path, leaf, (layout, shape, _) in zip(self._paths, leaves, self._layouts):
             if type(leaf) is DTensor:
                 _, own, own_shape = parts_of(leaf)
-                if own is layout and own_shape == shape:  # (the common case: as made)
+                # (the common case: as made, or a gradient laid out like its parameter)
+                if own_shape == shape and (own is layout or own == layout):
                     out.append(leaf)
                     continue
             if leaf is None and allow_none:
@@ -289,10 +302,7 @@ class Optimizer(torch.optim.Optimizer):
                 if returned is None or returned() is not data_of(value):
                     # fresh memory: the values returned by an earlier step keep theirs
                     tensor.data = self._distinct(value).detach().clone()
-                # contiguous like the parameter: the elementwise update reads both in one order
-                tensor.grad = (
-                    None if grad is None else self._distinct(grad).detach().to(tensor.dtype).contiguous()
-                )
+                tensor.grad = None if grad is None else self._gradient(grad, tensor.dtype)
             self.optimizer.step()
             out = []
             for i, (tensor, value, (layout, shape, _)) in enumerate(
@@ -453,7 +463,7 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         backend = backend_of(total.device_mesh)
         one = backend.replica(storage_of(coef))  # the same on every device: one device's copy
-        coefs = {g.dtype: one.to(g.dtype) for g in present}
+        coefs = {dtype: one.to(dtype) for dtype in {g.dtype for g in present}}
         clipped = [None if g is None else _scaled(g, coefs[g.dtype]) for g in leaves]
     return optree.tree_unflatten(spec, clipped), total
 
@@ -496,7 +506,7 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
             norm = flat.abs().amax(-1).to(dtype)
         else:  # (one pass, no |g|**p tensor)
             norm = torch.linalg.vector_norm(flat, norm_type, dim=-1, dtype=dtype)
-        split = tuple([name for name, p in zip(mesh.axis_names, g.placements) if p.is_shard()])
+        split = _split_axes(g.sharding)
         norms.setdefault(split, []).append(backend.from_distinct(norm, mesh) if large else norm)
     reduce = Partial("max" if infinite else "sum")
     total = None
@@ -507,6 +517,12 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
         value = redistribute(new_value(part, layout, torch.Size(())), (Replicate(),) * mesh.ndim)
         total = value if total is None else torch.maximum(total, value) if infinite else total + value
     return total if infinite else total ** (1.0 / norm_type)
+
+
+@cached(1024)
+def _split_axes(layout: Layout) -> tuple[str, ...]:
+    """The mesh axes ``layout`` splits a value over (its Shard axes)."""
+    return tuple([name for name, p in zip(layout.mesh.axis_names, layout.placements) if p.is_shard()])
 
 
 #: the elements (every device's) from which a gradient's norm reads its distinct blocks alone;
