@@ -205,21 +205,25 @@ class _Plan:
         return cls(specs, wheres, wheres)
 
 
-def _flattened(tree, compiling: bool) -> tuple[list, optree.PyTreeSpec]:
-    """``optree.tree_flatten(tree)`` in the library's namespace; eagerly, a tensor or a tuple
-    of tensors (a warm call's usual arguments and outputs) without optree's pass over it."""
+def _flattened(tree, compiling: bool) -> tuple[list, optree.PyTreeSpec, object]:
+    """``optree.tree_flatten(tree)`` in the library's namespace, and the key of its structure
+    in a mapping's plans; eagerly, a tensor or a tuple of tensors (a warm call's usual
+    arguments and outputs) without optree's pass over it, keyed by its length (hashing a
+    structure is optree's pass again)."""
     if compiling:
-        return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+        return leaves, treedef, treedef
     kind = type(tree)
     if kind is DTensor or kind is torch.Tensor:
-        return [tree], _LEAF
-    if kind is tuple and len(tree) <= len(_TUPLES):
+        return [tree], _LEAF, -1
+    if kind is tuple and len(tree) < len(_TUPLES):
         for leaf in tree:
             if type(leaf) is not DTensor and type(leaf) is not torch.Tensor:
                 break
         else:
-            return list(tree), _TUPLES[len(tree)]
-    return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+            return list(tree), _TUPLES[len(tree)], len(tree)
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+    return leaves, treedef, treedef
 
 
 def _unflattened(treedef: optree.PyTreeSpec, leaves: list):
@@ -269,10 +273,10 @@ def _run(m: _Mapping, args):
             )
         )
     compiling = torch.compiler.is_compiling()
-    leaves, treedef = _flattened(args, compiling)
-    plan = None if compiling else m.entries.get(treedef)
+    leaves, treedef, key = _flattened(args, compiling)
+    plan = None if compiling else m.entries.get(key)
     if plan is None:
-        plan = _planned(m.entries, treedef, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
+        plan = _planned(m.entries, key, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
         if not compiling and log.shard_map.isEnabledFor(logging.INFO):
             _log_plan(m, "in_specs", plan)
     inputs, in_dims, callers = [], [], set()
@@ -504,10 +508,10 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
 def _leave(m: _Mapping, outputs, compiling: bool):
     """The outputs of the per-device function, checked against ``out_specs``: flat, with
     their layouts (None where passed through) and their structure."""
-    leaves, tree = _flattened(outputs, compiling)
-    plan = None if compiling else m.exits.get(tree)
+    leaves, tree, key = _flattened(outputs, compiling)
+    plan = None if compiling else m.exits.get(key)
     if plan is None:
-        plan = _planned(m.exits, tree, lambda: _Plan.of_outputs(m.out_specs, outputs, tree), compiling)
+        plan = _planned(m.exits, key, lambda: _Plan.of_outputs(m.out_specs, outputs, tree), compiling)
         if not compiling and log.shard_map.isEnabledFor(logging.INFO):
             _log_plan(m, "out_specs", plan)
     flat, layouts = [], []

@@ -361,6 +361,19 @@ def test_a_warm_call_keeps_the_structures_of_its_arguments_and_outputs(shape_of,
             assert (g is None and w is None) or torch.equal(g.full_tensor(), w)
 
 
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9])
+def test_a_warm_call_takes_and_returns_any_number_of_tensors(count):
+    """A tuple of tensors takes its structure from a table up to a length (7): longer ones, as
+    arguments and as outputs, take optree's, and every one comes back in its place."""
+    xs = [fd.distribute_tensor(torch.arange(8.0) + i, MESH, _X) for i in range(count)]
+    f = mapped(lambda *a: tuple(v * 2 for v in a), in_specs=_X, out_specs=(_X,) * count)
+    for _ in range(3):
+        got = f(*xs)
+        assert type(got) is tuple and len(got) == count
+        for i, g in enumerate(got):
+            assert torch.equal(g.full_tensor(), (torch.arange(8.0) + i) * 2)
+
+
 def test_none_spec_passes_an_argument_through():
     f = mapped(lambda x, k: x * k, in_specs=(fd.P("x"), None))
     assert torch.equal(f(torch.ones(4), 3).full_tensor(), torch.full((4,), 3.0))
