@@ -38,6 +38,7 @@ from torch._functorch.vmap import lazy_load_decompositions, vmap_increment_nesti
 __all__ = [
     "transforms_active",
     "current_level",
+    "current_level_eager",
     "level_of",
     "batched_at",
     "memory_of",
@@ -60,6 +61,11 @@ def current_level() -> int | None:
     if torch.compiler.is_compiling():  # levels count the layers: Dynamo folds the depth
         return get_dynamic_layer_stack_depth() or None
     return maybe_current_level()
+
+
+#: :func:`current_level` where nothing is being compiled: functorch's own call (a tracker of
+#: every op made eagerly reads it per op)
+current_level_eager = maybe_current_level
 
 
 def level_of(x: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ from ._backend import current_level
 from ._collectives import vary
 from ._context import Frame
 from ._errors import FunctionalDTensorError, explain
+from ._functorch import current_level_eager
 from ._op_args import replace_inputs, tensors_of
 from ._varying import axes_varying, tag
 
@@ -64,11 +65,13 @@ class ReplicationTracker(TorchFunctionMode):
         self.all_axes = frozenset(frame.mesh.axis_names)
         self.level = frame.level  # the functorch level the per-device function runs at
         self.run_op = frame.backend.run_op
+        # (made while compiling, it runs only there: levels count the layers there)
+        self.level_now = current_level if torch.compiler.is_compiling() else current_level_eager
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if current_level() != self.level:
+        if self.level_now() != self.level:
             raise FunctionalDTensorError(
                 explain(
                     "fd.shard_map(check_rep=True)",

@@ -172,5 +172,7 @@ class BatchingRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in RULES:  # (most ops: vmap's own batching)
+            return func(*args, **kwargs)
         out = by_rule(func, self.level, self.size, args, kwargs)
         return func(*args, **kwargs) if out is None else out
