@@ -479,7 +479,8 @@ def _scaled(g: DTensor, coef: torch.Tensor) -> DTensor:
 def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
     """The global ``norm_type``-norm of ``grads``, a replicated scalar: per gradient, the norm of
     each device's block by plain torch on the storage (of each distinct block, for a large
-    gradient: a block replicated over an axis read once); per set of mesh axes the gradients
+    gradient: a block replicated over an axis read once; small gradients split over the same
+    axes side by side, one kernel for all of them); per set of mesh axes the gradients
     are split over, the norm of their blocks' norms on each device, to the power ``p`` (or their
     maximum), a Partial value over those axes; each such value all-reduced. As torch's
     ``clip_grad_norm_``, the norm of the norms. A Partial gradient is reduced first."""
@@ -488,35 +489,52 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
     backend = backend_of(mesh)
     lead = backend.block_dim(0)  # the storage's dims before a device's block
     norms: dict = {}  # the split axes -> the norms of their gradients' blocks, per device
+    small: dict = {}  # (split axes, dtype) -> the blocks of small gradients, flat: one norm of all
     for g in grads:
         if g.sharding.has_partial:
             g = redistribute(g, without_partial(g.sharding))
         held = held_of(g)
         storage = storage_of(g) if held is None else held  # (held: one row per distinct block)
-        dtype = storage.dtype if storage.dtype in (torch.float32, torch.float64) else torch.float32
-        large = held is not None or storage.numel() >= _DISTINCT_FROM
+        split = _split_axes(g.sharding)
+        if held is None and storage.numel() < _DISTINCT_FROM:  # every device's block, as it is
+            small.setdefault((split, storage.dtype), []).append(storage.reshape(*storage.shape[:lead], -1))
+            continue
         if held is not None:
             blocks = backend.distinct_held(held, g.sharding)
         else:
-            blocks = backend.distinct(storage, g.sharding) if large else storage
+            blocks = backend.distinct(storage, g.sharding)
         flat = blocks.reshape(*blocks.shape[: blocks.dim() - (storage.dim() - lead)], -1)
-        if flat.shape[-1] == 0:  # an empty shard
-            norm = flat.new_zeros(flat.shape[:-1], dtype=dtype)
-        elif infinite:
-            norm = flat.abs().amax(-1).to(dtype)
-        else:  # (one pass, no |g|**p tensor)
-            norm = torch.linalg.vector_norm(flat, norm_type, dim=-1, dtype=dtype)
-        split = _split_axes(g.sharding)
-        norms.setdefault(split, []).append(backend.from_distinct(norm, mesh) if large else norm)
-    reduce = Partial("max" if infinite else "sum")
+        norms.setdefault(split, []).append(backend.from_distinct(_row_norms(flat, norm_type), mesh))
+    for (split, _), flats in small.items():  # (one kernel for them all: the norm of their norms)
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats, -1)
+        norms.setdefault(split, []).append(_row_norms(flat, norm_type))
+    replicated = (Replicate(),) * mesh.ndim
     total = None
     for split, group in norms.items():
         stacked = torch.stack(group)
         part = stacked.amax(0) if infinite else torch.linalg.vector_norm(stacked, norm_type, 0) ** norm_type
-        layout = Layout(mesh, tuple([reduce if n in split else Replicate() for n in mesh.axis_names]))
-        value = redistribute(new_value(part, layout, torch.Size(())), (Replicate(),) * mesh.ndim)
+        value = redistribute(new_value(part, _summed_over(mesh, split, infinite), torch.Size(())), replicated)
         total = value if total is None else torch.maximum(total, value) if infinite else total + value
     return total if infinite else total ** (1.0 / norm_type)
+
+
+def _row_norms(flat: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of each row of ``flat`` (along its last dim), in float32 or
+    float64 (one pass, no ``|g|**p`` tensor)."""
+    dtype = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
+    if flat.shape[-1] == 0:  # empty shards
+        return flat.new_zeros(flat.shape[:-1], dtype=dtype)
+    if math.isinf(norm_type):
+        return flat.abs().amax(-1).to(dtype)
+    return torch.linalg.vector_norm(flat, norm_type, dim=-1, dtype=dtype)
+
+
+@cached(1024)
+def _summed_over(mesh, split: tuple[str, ...], infinite: bool) -> Layout:
+    """The layout of the devices' parts of a norm over values split along the axes ``split``:
+    Partial there (their maximum, for the infinity norm), Replicate elsewhere."""
+    reduce = Partial("max" if infinite else "sum")
+    return Layout(mesh, tuple([reduce if n in split else Replicate() for n in mesh.axis_names]))
 
 
 @cached(1024)
