@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import re
 import shutil
 import subprocess
@@ -86,7 +85,7 @@ def _counted(workload: str, calls: int, adds: int) -> int:
         "--adds",
         str(adds),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     found = re.search(r"Collected : (\d+)", done.stderr)
     if done.returncode or not found:
         raise SystemExit(f"valgrind failed ({done.returncode}):\n{done.stderr[-2000:]}")
