@@ -120,15 +120,22 @@ class Backend:
         """:meth:`all_reduce_held`'s transpose: each result for every part (no communication)."""
         return self._kernels.spread_held(held, grid, mesh, axes)
 
-    def all_gather_held(self, held, grid: tuple[int, ...], mesh: DeviceMesh, axes: tuple[str, ...], dim: int):
-        """A tiled all-gather over one axis."""
-        self.count("all_gather", axes, held, mesh.axis_size(axes))
+    def all_gather_held(
+        self, held, grid: tuple[int, ...], mesh: DeviceMesh, axes: tuple[str, ...], dim: int, *, counted=True
+    ):
+        """A tiled all-gather over one axis (``counted=False``: the caller records it, as part
+        of one bucketed collective)."""
+        if counted:
+            self.count("all_gather", axes, held, mesh.axis_size(axes))
         return self._kernels.all_gather_held(held, grid, mesh, axes, dim)
 
-    def slice_held(self, held, grid, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, summed: bool):
+    def slice_held(
+        self, held, grid, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, summed: bool, *, counted=True
+    ):
         """:meth:`all_gather_held`'s transpose: each device's slice; ``summed``: of a cotangent
-        whose parts the distributed backend sums in a reduce-scatter (a varied value's)."""
-        if summed:
+        whose parts the distributed backend sums in a reduce-scatter (a varied value's;
+        ``counted=False``: the caller records it)."""
+        if summed and counted:
             self.count("reduce_scatter", axes, held, mesh.axis_size(axes))
         return self._kernels.slice_held(held, grid, mesh, axes, dim)
 
@@ -155,6 +162,13 @@ class Backend:
         ``axes`` lay their rows end to end, one product per held block (see
         :func:`._simulated.batched.folded_linear`). Nothing is counted here."""
         return simulated_batched.folded_linear(x, weight_rows, bias_rows, mesh_shape, axes)
+
+    def crossed_linear(self, x, weight_rows, bias_rows, x_outer: bool, x_held: bool):
+        """``F.linear`` per device where the weight (and bias) is held once along the axes that
+        split ``x`` by rows, and ``x`` is stacked or held once along all the others: one
+        product per outer position, no operand copied to the devices that share it (see
+        :func:`._simulated.batched.crossed_linear`). Nothing is counted here."""
+        return simulated_batched.crossed_linear(x, weight_rows, bias_rows, x_outer, x_held)
 
     def end_to_end(self, rows, mesh: DeviceMesh, axis: str):
         """Every device's rows laid end to end along ``axis``, one per position along the other

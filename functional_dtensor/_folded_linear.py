@@ -8,8 +8,12 @@ each of them, each device's product contracts its own few rows, and backward the
 weight's gradient are summed over the axis (data parallelism's all-reduce). Folded, the devices
 along the axis lay their rows end to end: one product per held block, of one device's shapes,
 whose contraction sums the weight's gradient over the axis itself. It pays where the rows are
-fewer than the weight's elements (the rows are moved instead); elsewhere the op runs as any
-other.
+fewer than the weight's elements (the rows are moved instead). Elsewhere, and where the input
+is held once too (along the other axes: a column-parallel layer's input, replicated over the
+axis that splits the weight), the layer runs crossed: one product per outer position of the
+mesh, each taking the operand its devices share (the weight's block, or the held input's) as a
+view, nothing copied; backward, the shared operand's gradient is summed over its devices by
+the products. Where neither applies, the op runs as any other.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from . import _varied as varied
 from ._backend import backend_of
 from ._cache import Bounded
-from ._dtensor import DTensor, held_of, held_varied, new_value, storage_of
+from ._dtensor import DTensor, data_of, held_of, held_varied, new_value, storage_of
 from ._functorch import is_transformed
 from ._global_ops import decision_for
 from ._layout import Layout
@@ -33,9 +37,10 @@ __all__ = ["folded_linear"]
 
 
 class _Folding(NamedTuple):
-    """What a folded linear of some layouts and shapes needs: the weight's held plan and its
-    axes, the decision's ``pvary`` per operand, its output layout and shape, and the layout the
-    bias takes."""
+    """What a folded (or crossed) linear of some layouts and shapes needs: the weight's held
+    plan and its axes, the decision's ``pvary`` per operand, its output layout and shape, the
+    layout the bias takes, and for a crossed one whether the input's positions (along the
+    weight's held axes) are the outer ones in device order (None: folded)."""
 
     plan: Any
     pvary: tuple
@@ -43,26 +48,32 @@ class _Folding(NamedTuple):
     shape: torch.Size
     axes: tuple[int, ...]
     bias: Layout | None
+    x_outer: bool | None = None
 
 
-#: (layouts, shapes and dtypes of the operands) -> a _Folding, or None where it does not apply
+#: (the input held, layouts, shapes and dtypes of the operands) -> a _Folding, or None where
+#: it does not apply
 _FOLDINGS = Bounded(4096, "folded linear: plans")
 
 
 def folded_linear(layer, x, weight, bias) -> DTensor | None:
-    """``layer(x, weight, bias)`` (``F.linear`` of values) folded, where ``weight`` is held
-    once along axes that split ``x`` by rows, and the rows are fewer than the weight's
-    elements; None where this does not apply (the caller runs the op)."""
-    if held_of(weight) is None or type(x) is not DTensor or held_of(x) is not None:
+    """``layer(x, weight, bias)`` (``F.linear`` of values) where ``weight`` is held once along
+    axes that split ``x`` by rows: folded, where ``x`` is stacked and its rows are fewer than
+    the weight's elements; else crossed, one product per outer position on the held blocks
+    (``x`` stacked, or held once along all the other axes, as a column-parallel layer's input
+    replicated over the axis that splits the weight). None where neither applies (the caller
+    runs the op)."""
+    if held_of(weight) is None or type(x) is not DTensor:
         return None
     if bias is not None and type(bias) is not DTensor or torch.compiler.is_compiling():
         return None
     operands = (x, weight) if bias is None else (x, weight, bias)
-    key = tuple([(t.sharding, t.shape, t.dtype) for t in operands])
+    x_held = held_of(x) is not None
+    key = (x_held, *[(t.sharding, t.shape, t.dtype) for t in operands])
     folding = _FOLDINGS.get(key)
     if folding is None and key not in _FOLDINGS:
-        folding = _FOLDINGS[key] = _folding(layer, operands)
-    if folding is None or is_transformed(held_of(weight)) or is_transformed(storage_of(x)):
+        folding = _FOLDINGS[key] = _folding(layer, operands, x_held)
+    if folding is None or is_transformed(held_of(weight)) or is_transformed(data_of(x)):
         return None
     mesh = x.device_mesh
     replicated = {n for n, p in zip(mesh.axis_names, folding.output.placements) if p.is_replicate()}
@@ -70,25 +81,36 @@ def folded_linear(layer, x, weight, bias) -> DTensor | None:
     if any([axes & replicated for axes in operands_varied]):  # (its output varied there: the op's path)
         return None
     grad, backend = torch.is_grad_enabled(), backend_of(mesh)
+    # (in the operands' order, as the op's path: backward sums their gradients in reverse)
+    if x_held:
+        rows = _held_operand(x, folding.pvary[0], mesh, grad)
+    else:
+        rows = varied.pvaried_where_needed(storage_of(x), mesh, folding.pvary[0], grad)
     weight_rows = _held_operand(weight, folding.pvary[1], mesh, grad)
-    bias_rows = None
-    if bias is not None:
-        if bias.sharding != folding.bias:  # (Replicate to Partial: a row-parallel bias)
-            bias = redistribute(bias, folding.bias)
-        if held_of(bias) is not None and backend.held_plan(bias.sharding) == folding.plan:
-            bias_rows = _held_operand(bias, folding.pvary[2], mesh, grad)
-        else:  # its stacked storage (marked where varied) at coordinate 0 of the held axes
-            storage = varied.marked_storage(bias)
-            along = varied.axes_of(storage) | set(folding.pvary[2])  # (varied there after its pvary)
-            storage = varied.pvaried_where_needed(storage, mesh, folding.pvary[2], grad)
-            summed = tuple([a for a in folding.axes if mesh.axis_names[a] in along])
-            bias_rows = backend.fold(storage, bias.sharding, folding.plan, summed)
-    rows = varied.pvaried_where_needed(storage_of(x), mesh, folding.pvary[0], grad)
-    out = backend.folded_linear(rows, weight_rows, bias_rows, mesh.shape, folding.axes)
+    bias_rows = None if bias is None else _bias_rows(bias, folding, mesh, grad)
+    if folding.x_outer is None:
+        out = backend.folded_linear(rows, weight_rows, bias_rows, mesh.shape, folding.axes)
+    else:
+        out = backend.crossed_linear(rows, weight_rows, bias_rows, folding.x_outer, x_held)
     return new_value(out, folding.output, folding.shape)
 
 
-def _folding(layer, operands) -> _Folding | None:
+def _bias_rows(bias: DTensor, folding: _Folding, mesh, grad: bool) -> torch.Tensor:
+    """The bias's blocks on the weight's held plan, through ``pvary`` where it needs one."""
+    if bias.sharding != folding.bias:  # (Replicate to Partial: a row-parallel bias)
+        bias = redistribute(bias, folding.bias)
+    backend = backend_of(mesh)
+    if held_of(bias) is not None and backend.held_plan(bias.sharding) == folding.plan:
+        return _held_operand(bias, folding.pvary[2], mesh, grad)
+    # its stacked storage (marked where varied) at coordinate 0 of the held axes
+    storage = varied.marked_storage(bias)
+    along = varied.axes_of(storage) | set(folding.pvary[2])  # (varied there after its pvary)
+    storage = varied.pvaried_where_needed(storage, mesh, folding.pvary[2], grad)
+    summed = tuple([a for a in folding.axes if mesh.axis_names[a] in along])
+    return backend.fold(storage, bias.sharding, folding.plan, summed)
+
+
+def _folding(layer, operands, x_held: bool) -> _Folding | None:
     x, weight = operands[0], operands[1]
     bias = operands[2] if len(operands) > 2 else None
     if len({t.dtype for t in operands}) > 1 or weight.ndim != 2 or x.ndim < 2:
@@ -113,13 +135,39 @@ def _folding(layer, operands) -> _Folding | None:
     bias_layout = decision.inputs[2] if bias is not None else None
     if bias_layout is not None and any([not bias_layout.placements[a].is_replicate() for a in plan.axes]):
         return None
+    shape = torch.Size(decision.out_shapes[0])
+    x_outer = None
     block = shard_table(x.sharding, tuple(x.shape)).padded_shape
     rows, features = math.prod(block[:-1]), block[-1]
     out_features = shard_table(weight.sharding, tuple(weight.shape)).padded_shape[0]
-    if rows * (features + out_features) > features * out_features:
-        return None  # the rows outweigh the weight: moving them costs more than its copies
-    shape = torch.Size(decision.out_shapes[0])
-    return _Folding(plan, decision.pvary, decision.output, shape, plan.axes, bias_layout)
+    # folded where the rows are fewer than the weight's elements (moving them is cheap)
+    if x_held or rows * (features + out_features) > features * out_features:
+        x_outer = _crossing(x, weight, plan, decision, x_held)
+        if x_outer is None:
+            return None
+    return _Folding(plan, decision.pvary, decision.output, shape, plan.axes, bias_layout, x_outer)
+
+
+def _crossing(x: DTensor, weight: DTensor, plan, decision, x_held: bool) -> bool | None:
+    """Whether the input's positions come first in device order (the weight's inner), where a
+    crossed linear applies: the weight's own positions (along the mesh axes of more than one
+    device it is not held along) all after its held axes or all before; a held input held
+    along exactly those, and the output split over every such axis; the output's blocks every
+    pair's product. None where it does not."""
+    mesh = x.device_mesh
+    wide = {a for a, n in enumerate(mesh.shape) if n > 1}
+    shared, own = set(plan.axes), wide - set(plan.axes)
+    if x_held and set(backend_of(mesh).held_plan(x.sharding).axes) != own:
+        return None
+    if not all([decision.output.placements[a].is_shard() for a in (wide if x_held else shared)]):
+        return None
+    x_block = shard_table(x.sharding, tuple(x.shape)).padded_shape
+    out_block = shard_table(decision.output, tuple(decision.out_shapes[0])).padded_shape
+    if out_block != (*x_block[:-1], shard_table(weight.sharding, tuple(weight.shape)).padded_shape[0]):
+        return None
+    if not own or max(shared) < min(own):
+        return True
+    return False if max(own) < min(shared) else None
 
 
 def _held_operand(value: DTensor, needed, mesh, grad: bool) -> torch.Tensor:

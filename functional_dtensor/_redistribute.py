@@ -62,7 +62,14 @@ from ._plan import (
 )
 from ._sharding import shard_table
 
-__all__ = ["redistribute", "gather_varied", "HeldAllGather", "layout_key", "layout_of_key"]
+__all__ = [
+    "redistribute",
+    "gather_varied",
+    "held_move",
+    "HeldAllGather",
+    "layout_key",
+    "layout_of_key",
+]
 
 
 def redistribute(x: DTensor, placements: PlacementsOrSpec, /) -> DTensor:
@@ -115,7 +122,7 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     """On a simulated mesh, ``x`` in ``target`` held once along its Replicate axes (see
     :meth:`.Backend.held_plan`), where one all-reduce (a sum: a mean's parts take the whole
     cotangent, as a Partial value's, not its share) or one all-gather over one axis of even
-    blocks moves it, and its blocks are large (:func:`_held_move`): each distinct result
+    blocks moves it, and its blocks are large (:func:`held_move`): each distinct result
     computed and written once, not once per device. The gradients are the transposes, counted
     as the distributed backend's communicate (:class:`_HeldAllReduce`, :class:`HeldAllGather`).
     The result is varied over ``axes`` (see :mod:`._varied`). None where it does not apply."""
@@ -127,7 +134,7 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     if compiling:
         move = _traced_held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
     else:
-        move = _held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
+        move = held_move(source, target, tuple(shape), data.element_size(), integral, threshold)
     # (no transform's check while compiling: Dynamo traces no functorch wrapper)
     if move is None or data.is_meta or not compiling and is_transformed(data):
         return None
@@ -151,7 +158,7 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
 
 
 @cached(1024)
-def _held_move(
+def held_move(
     source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, integral: bool, _threshold
 ):
     """The one step that moves a value from ``source`` to ``target`` held once, the plan of
@@ -187,7 +194,7 @@ def _held_move(
 
 
 def _traced_held_move(source: Layout, target: Layout, shape: tuple, itemsize: int, integral: bool, threshold):
-    """:func:`_held_move` while Dynamo traces: decided outside the graph, as the plans are
+    """:func:`held_move` while Dynamo traces: decided outside the graph, as the plans are
     (:func:`_held_move_key`), the source's plan made again in the graph."""
     move = _held_move_key(layout_key(source), layout_key(target), shape, itemsize, integral, threshold)
     if move is None:
@@ -198,8 +205,8 @@ def _traced_held_move(source: Layout, target: Layout, shape: tuple, itemsize: in
 
 @torch._dynamo.assume_constant_result
 def _held_move_key(source_key: tuple, target_key: tuple, shape, itemsize: int, integral: bool, threshold):
-    """:func:`_held_move` as constants: whether the source has a plan, not the plan."""
-    move = _held_move(
+    """:func:`held_move` as constants: whether the source has a plan, not the plan."""
+    move = held_move(
         layout_of_key(source_key), layout_of_key(target_key), shape, itemsize, integral, threshold
     )
     return None if move is None else (*move[:3], move[3] is not None, move[4])

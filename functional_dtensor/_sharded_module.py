@@ -24,15 +24,16 @@ from torch import nn
 
 from . import _varied as varied
 from ._backend import backend_of
-from ._dtensor import DTensor, distribute_tensor, new_held, new_value, storage_of
+from ._dtensor import DTensor, data_of, distribute_tensor, held_of, new_held, new_value, storage_of
 from ._errors import InputTypeError, LayoutError, explain
+from ._functorch import is_transformed
 from ._gathered_linear import gathered_linear
 from ._global_ops import implicit_replication
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
-from ._redistribute import gather_varied, redistribute
+from ._redistribute import gather_varied, held_move, redistribute
 from ._spec import P
 from ._styles import ColwiseParallel, FullyShard, ReplicateParallel
 
@@ -301,10 +302,22 @@ def _gather_hook(names, places, mesh, axis):
             if isinstance(value, DTensor) and _sharded_over(value.sharding, axis):  # not gathered yet
                 values[name] = value
         even = [n for n, v in values.items() if _even_on_dim0(v)]
-        storages = varied.gather_unit([varied.marked_storage(values[n]) for n in even], mesh, axis)
-        gathered = {
-            n: new_value(s, _gathered(values[n].sharding), values[n].shape) for n, s in zip(even, storages)
-        }
+        # on a simulated mesh, a large one's gathered blocks held once (one per position off
+        # the data axis), where its gather reads held blocks or stacked storage
+        sources = [_held_gather_source(values[n], _gathered(values[n].sharding), axis) for n in even]
+        storages = varied.gather_unit(
+            [varied.marked_storage(values[n]) if s is None else s[0] for n, s in zip(even, sources)],
+            mesh,
+            axis,
+            [None if s is None else s[1] for s in sources],
+        )
+        gathered = {}
+        for n, s, source in zip(even, storages, sources):
+            layout, shape = _gathered(values[n].sharding), values[n].shape
+            if source is None:
+                gathered[n] = new_value(s, layout, shape)
+            else:
+                gathered[n] = new_held(s, layout, shape, frozenset([axis, *varied.axes_of(s)]))
         for name, value in values.items():
             if name not in gathered:
                 gathered[name] = gather_varied(value, _gathered(value.sharding), (axis,))
@@ -312,6 +325,30 @@ def _gather_hook(names, places, mesh, axis):
                 sub._parameters[attr] = gathered[name]
 
     return hook
+
+
+def _held_gather_source(x: DTensor, target: Layout, axis: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """Where a fully-sharded parameter ``x`` (varied over ``axis``) moves to ``target`` held
+    once by one all-gather over ``axis`` along dim 0 (see :func:`._redistribute.held_move`):
+    the held blocks (or stacked storage) the gather reads and their grid, for its unit's
+    bucket, eagerly. None where it does not."""
+    data = data_of(x)
+    if torch.compiler.is_compiling() or data.is_meta or is_transformed(data):
+        return None
+    integral = not (data.is_floating_point() or data.is_complex())
+    threshold = backend_of(target.mesh).held_min_elements
+    move = held_move(x.sharding, target, tuple(x.shape), data.element_size(), integral, threshold)
+    if move is None or move[0] or move[1] != (axis,) or move[2] != 0:
+        return None
+    _, _, _, source_plan, grid = move
+    held = held_of(x)
+    if held is None:
+        held = varied.marked_storage(x)
+        if source_plan is not None:
+            mesh, axes = target.mesh, {axis, *varied.axes_of(held)}
+            summed = tuple([a for a in source_plan.axes if mesh.axis_names[a] in axes])
+            held = backend_of(mesh).fold(held, x.sharding, source_plan, summed)
+    return held, grid
 
 
 def _sharded_over(layout: Layout, axis: str) -> bool:

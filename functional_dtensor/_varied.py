@@ -322,14 +322,17 @@ def _applied(function, mesh: DeviceMesh, axes, storages) -> tuple[torch.Tensor, 
     return function.forward(mesh, axes, *storages)
 
 
-def gather_unit(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
+def gather_unit(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str, grids=None) -> list[torch.Tensor]:
     """Each storage (dim 0 split over ``axis`` as its innermost axis, into blocks of one shape)
     gathered along dim 0 over ``axis`` and varied over it, FSDP's way: one all-gather of their
     concatenation per dtype, and their gradients reduce-scattered back in one collective. The
-    two are each other's transpose, to any order."""
+    two are each other's transpose, to any order. ``grids``: per storage, None, or the grid of
+    the blocks it holds once (a simulated mesh's held blocks, gathered into held blocks; see
+    :func:`._sharded_module._held_gather_source`)."""
     if mesh.axis_size((axis,)) == 1 or not storages:
         return storages
-    gathered = _applied(_GatherUnit, mesh, axis, storages)
+    grids = tuple(grids or [None] * len(storages))
+    gathered = _applied(_GatherUnit, mesh, (axis, grids), storages)
     return [mark(g, {axis, *axes_of(s)}) for g, s in zip(gathered, storages)]
 
 
@@ -349,11 +352,16 @@ def _by_dtype(tensors) -> list[list[int]]:
     return list(groups.values())
 
 
-def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
+def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str, grids) -> list[torch.Tensor]:
     backend, size = backend_of(mesh), mesh.axis_size((axis,))
     if backend.one_process:  # each where it lies, recorded as the ranks' one collective
         _count_bucket("all_gather", storages, mesh, (axis,))
-        return [backend.all_gather(s, mesh, (axis,), 0, True, counted=False) for s in storages]
+        return [
+            backend.all_gather(s, mesh, (axis,), 0, True, counted=False)
+            if grid is None
+            else backend.all_gather_held(s, grid, mesh, (axis,), 0, counted=False)
+            for s, grid in zip(storages, grids)
+        ]
     out: list[torch.Tensor] = list(storages)
     for group in _by_dtype(storages):
         flat = torch.cat([storages[i].reshape(-1) for i in group])
@@ -367,11 +375,16 @@ def _gathered(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list
     return out
 
 
-def _scattered(grads: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[torch.Tensor]:
+def _scattered(grads: list[torch.Tensor], mesh: DeviceMesh, axis: str, grids) -> list[torch.Tensor]:
     backend, size = backend_of(mesh), mesh.axis_size((axis,))
     if backend.one_process:
         _count_bucket("reduce_scatter", grads, mesh, (axis,))
-        return [backend.reduce_scatter(g, mesh, (axis,), 0, True, counted=False) for g in grads]
+        return [
+            backend.reduce_scatter(g, mesh, (axis,), 0, True, counted=False)
+            if grid is None
+            else backend.slice_held(g, grid, mesh, (axis,), 0, True, counted=False)
+            for g, grid in zip(grads, grids)
+        ]
     out: list[torch.Tensor] = list(grads)
     for group in _by_dtype(grads):
         flat = torch.cat([grads[i].reshape(size, -1) for i in group], dim=1)  # (size, n): rank r's
@@ -385,10 +398,13 @@ def _scattered(grads: list[torch.Tensor], mesh: DeviceMesh, axis: str) -> list[t
     return out
 
 
+# (``axis`` below: the mesh axis and the grids of :func:`gather_unit`)
+
+
 class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(mesh, axis, *storages):
-        return tuple(_gathered(list(storages), mesh, axis))
+        return tuple(_gathered(list(storages), mesh, *axis))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -402,7 +418,7 @@ class _GatherUnit(torch.autograd.Function):
 class _ScatterUnit(torch.autograd.Function):
     @staticmethod
     def forward(mesh, axis, *grads):
-        return tuple(_scattered(list(grads), mesh, axis))
+        return tuple(_scattered(list(grads), mesh, *axis))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

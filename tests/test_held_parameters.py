@@ -3,13 +3,16 @@
 optimizer writes each distinct block once, their gradients come back
 summed over the data-parallel axis straight into the held blocks, and a linear layer whose batch
 is split over that axis runs one product per held block (the rows of the devices along it end
-to end). Values, gradients (first and second order) and communication equal one device's, the
-stacked form's and the distributed backend's."""
+to end), or crossed: one product per outer position on the held blocks, the input stacked or
+held once over the other axis (no block copied to the devices that share it). A fully-sharded
+unit's parameters are gathered held once. Values, gradients (first and second order) and
+communication equal one device's, the stacked form's and the distributed backend's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from backends import events
 from common import assert_close, held_at_any_size
 from torch import nn
@@ -266,3 +269,158 @@ def test_a_folded_linear_equals_one_device(monkeypatch, names, rows):
     assert len(folded) == 2
     assert_close(out.full_tensor(), want_out)
     assert_close([grads[0], *[g.full_tensor() for g in grads[1:]]], list(want))
+
+
+def _deep_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 8)]
+    return nn.Sequential(*layers).double()
+
+
+#: the second column-parallel layer's input is the first row-parallel layer's output, summed
+#: over "tp": held once there, as the weight is over "dp"
+_DEEP_PLAN = {
+    "": fd.ReplicateParallel("dp"),
+    "0": fd.ColwiseParallel(),
+    "2": fd.RowwiseParallel(),
+    "3": fd.ColwiseParallel(),
+    "5": fd.RowwiseParallel(),
+}
+
+
+def _deep_run(mesh, held: bool, rows=(4, 2), plan=None) -> dict:
+    """Output, first- and second-order gradients and collectives of the deep model on ``mesh``."""
+    x = torch.randn(*rows, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with held_at_any_size() if held else _held_never():
+        sharded = fd.parallelize_module(_deep_model(), mesh, plan or _DEEP_PLAN)
+        params = sharded.params
+        x_d = fd.distribute_tensor(x.requires_grad_(), mesh, fd.P("dp"))
+        with fd.CommDebugMode() as comm:
+            out = sharded.apply(params, x_d)
+            grads = torch.autograd.grad((out**2).sum(), [x, *params.values()], create_graph=True)
+            second = torch.autograd.grad(sum((g**2).sum() for g in grads[1:]), list(params.values()))
+    return {
+        "out": out.full_tensor().detach(),
+        "grads": [grads[0].detach(), *[g.full_tensor().detach() for g in grads[1:]]],
+        "second": [g.full_tensor() for g in second],
+        "comm": events(comm),
+    }
+
+
+def _deep_on_one_device(rows=(4, 2)) -> dict:
+    x = torch.randn(*rows, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    one = _deep_model()
+    out = one(x.requires_grad_())
+    grads = torch.autograd.grad((out**2).sum(), [x, *one.parameters()], create_graph=True)
+    second = torch.autograd.grad(sum((g**2).sum() for g in grads[1:]), list(one.parameters()))
+    return {"out": out.detach(), "grads": [g.detach() for g in grads], "second": list(second)}
+
+
+@pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")], ids="-".join)
+def test_a_crossed_linear_equals_one_device(monkeypatch, names):
+    """A column-parallel layer whose input is held once over "tp" and whose weight is held
+    once over "dp", and a row-parallel one whose input's rows outweigh its weight, run on
+    the held blocks (no weight copied to the devices that share it): values, first- and
+    second-order gradients are one device's, and the collectives are the stacked form's."""
+    crossed = []
+    monkeypatch.setattr(batched, "crossed_linear", _spy(batched.crossed_linear, crossed))
+    mesh = fd.simulated_mesh((2, 2), names)
+    got = _deep_run(mesh, held=True)
+    # the second column-parallel layer's input held (a block per "dp" position), the last
+    # row-parallel layer's stacked (its rows outweigh the weight: not folded)
+    assert crossed == [torch.Size([2, 2, 2, 8]), torch.Size([4, 2, 2, 6])]
+    want = _deep_on_one_device()
+    for key in ("out", "grads", "second"):
+        assert_close(got[key], want[key])
+    assert got["comm"] == _deep_run(mesh, held=False)["comm"]
+
+
+def _deep_job(mesh) -> dict:
+    return _deep_run(mesh, held=True)
+
+
+@pytest.mark.meshes((2, 2))
+def test_a_crossed_linear_runs_as_the_distributed_backend(backend, mesh):
+    results = backend.run(_deep_job, mesh.shape, ("dp", "tp"), timeout=120)
+    expected = _deep_job(fd.simulated_mesh(mesh.shape, ("dp", "tp")))
+    for result in results:
+        for key in ("out", "grads", "second"):
+            assert_close(result[key], expected[key])
+        assert result["comm"] == expected["comm"]
+
+
+#: the deep model's tensor parallelism, its parameters sharded over "dp" (FSDP)
+_FSDP_PLAN = _DEEP_PLAN | {"": fd.FullyShard("dp")}
+
+
+def _fsdp_job(mesh) -> dict:
+    return _deep_run(mesh, held=True, plan=_FSDP_PLAN)
+
+
+@pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")], ids="-".join)
+def test_fully_sharded_parameters_are_gathered_held_once(monkeypatch, names):
+    """A unit's all-gather writes each gathered block once, and backward each device's shard
+    is its slice of the held gradient: values, first- and second-order gradients are one
+    device's, the collectives (one all-gather and one reduce-scatter for the unit) the stacked
+    form's."""
+    from functional_dtensor._backend import Backend
+
+    gathered = []
+    move = Backend.all_gather_held
+
+    def spy(self, held, *args, **kwargs):
+        if not kwargs.get("counted", True):  # (a unit's gather: counted as its bucket)
+            gathered.append(tuple(held.shape))
+        return move(self, held, *args, **kwargs)
+
+    monkeypatch.setattr(Backend, "all_gather_held", spy)
+    mesh = fd.simulated_mesh((2, 2), names)
+    got = _fsdp_job(mesh)
+    # every parameter gathered held, in the forward and in the second order's backward
+    assert len(gathered) == 2 * len(_deep_model().state_dict())
+    want = _deep_on_one_device()
+    for key in ("out", "grads", "second"):
+        assert_close(got[key], want[key])
+    stacked = _deep_run(mesh, held=False, plan=_FSDP_PLAN)
+    assert got["comm"] == stacked["comm"]
+    # the unit's: one all-gather and one reduce-scatter, then both again for the second order
+    unit = [e[:2] for e in got["comm"] if e[0] in ("all_gather", "reduce_scatter")]
+    assert unit == [("all_gather", ("dp",)), ("reduce_scatter", ("dp",))] * 2
+
+
+@pytest.mark.meshes((2, 2))
+def test_fully_sharded_parameters_gathered_held_run_as_the_distributed_backend(backend, mesh):
+    results = backend.run(_fsdp_job, mesh.shape, ("dp", "tp"), timeout=120)
+    expected = _fsdp_job(fd.simulated_mesh(mesh.shape, ("dp", "tp")))
+    for result in results:
+        for key in ("out", "grads", "second"):
+            assert_close(result[key], expected[key])
+        assert result["comm"] == expected["comm"]
+
+
+@pytest.mark.parametrize("x_held", [True, False], ids=["held input", "stacked input"])
+@pytest.mark.parametrize("x_outer", [True, False], ids=["input outer", "weight outer"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+def test_the_crossed_kernel_is_every_devices_product_to_any_order(x_held, x_outer, bias):
+    """Every device's block times its weight's, in device order (2 positions along the weight's
+    held axes, 3 along its own): reverse mode to the second order and forward mode by torch's
+    numerical checks."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 if x_held else 6, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(3, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(3, 5, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    operands = (x, w, b) if bias else (x, w)
+
+    def crossed(x, w, b=None):
+        return batched.crossed_linear(x, w, b, x_outer, x_held)
+
+    devices = [(i, j) for i in range(2) for j in range(3)]  # (position along the held axes, own)
+    if not x_outer:
+        devices = [(i, j) for j in range(3) for i in range(2)]
+    blocks = [x[i] if x_held else x[k] for k, (i, _) in enumerate(devices)]
+    want = torch.stack(
+        [F.linear(block, w[j], b[j] if bias else None) for block, (_, j) in zip(blocks, devices)]
+    )
+    assert_close(crossed(*operands), want)
+    assert torch.autograd.gradcheck(crossed, operands, check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(crossed, operands)
