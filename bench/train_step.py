@@ -1,7 +1,7 @@
 """A 2-D ("dp" 2 x "tp" 2) training step of the example's transformer: fd against torch.
 
     torchrun --standalone --nproc-per-node 4 bench/train_step.py [--quick]   # (1) gloo
-    python bench/train_step.py [--quick] [--profile] [--steady-malloc] [--compile]  # (2) simulated
+    python bench/train_step.py [--quick] [--profile] [--steady-malloc] [--compile] [--bytes]  # (2) simulated
 
 One step is forward, cross-entropy loss, backward, gradient clipping by the global norm (1.0)
 and an AdamW step (lr 1e-3), on a fixed batch, the parameters carried from step to step.
@@ -38,7 +38,9 @@ both plans against the same step of the unsharded model in plain torch (``torch.
 ``clip_grad_norm_``), on a larger model (more compute per op). ``--profile`` prints a cProfile
 of fd's ``tp`` step instead of timing; ``--steady-malloc`` fixes glibc malloc's thresholds
 first (``_timing.steady_malloc``: no buffer page-faulted back in on every step);
-``--compile`` compiles the forward and loss of every step (``torch.compile(fullgraph=True)``,
+``--bytes`` counts the bytes the ops of one step write instead of timing (every op's outputs
+and what it changes in place; a figure this machine's load does not move); ``--compile``
+compiles the forward and loss of every step (``torch.compile(fullgraph=True)``,
 inductor; the gradients, clipping and AdamW eager) and adds the unsharded step compiled so, the
 eager unsharded step staying the reference of the ratios (a few minutes of compiling first).
 """
@@ -58,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from _checks import checked, in_float64
 from _timing import interleaved, median_ms, print_table, steady_malloc, verdict
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_dtensor as fd
 
@@ -464,6 +467,16 @@ def simulated_main(args) -> None:
             steps[next(name for name in steps if name.startswith("fd"))], steps["unsharded (plain torch)"]
         )
         return
+    if args.bytes:
+        written = {name: bytes_written(step) for name, step in steps.items()}
+        base = written["unsharded (plain torch)"]
+        rows = [[name, f"{n / 1e6:.0f}", f"{n / base:.2f}"] for name, n in written.items()]
+        print_table(
+            f"bytes the ops write in one step ({describe(cfg)})",
+            ["variant", "MB", "/ unsharded"],
+            rows,
+        )
+        return
     reps = args.reps or (3 if args.quick else 20)
     times = interleaved(steps, reps=reps, warmup=1 if args.quick else 2)
     cpu = {name: median_ms(t.cpu) for name, t in times.items()}
@@ -486,6 +499,42 @@ def simulated_main(args) -> None:
         ["variant", "cpu ms", "wall ms", "/ unsharded", "/ unsharded (wall)", "target"],
         rows,
     )
+
+
+class _Written(TorchDispatchMode):
+    """Counts the bytes of every tensor an op writes: its outputs, or the tensors it changes in
+    place (an ``out=`` tensor, ``add_``'s self, a ``_foreach_mul_``'s list); views and
+    allocations write nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        if schema.is_mutable:
+            written = []
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    written += value if isinstance(value, (list, tuple)) else [value]
+        elif any(r.alias_info is not None for r in schema.returns) or "empty" in func.__name__:
+            written = []
+        else:
+            written = list(out) if isinstance(out, (tuple, list)) else [out]
+        self.nbytes += sum([t.numel() * t.element_size() for t in written if isinstance(t, torch.Tensor)])
+        return out
+
+
+def bytes_written(step) -> int:
+    """The bytes the ops of one call of ``step`` write (after a call to warm it): a count that
+    the machine's load does not move, of the simulated mesh's copies beside the program's own."""
+    step()
+    with _Written() as written:
+        step()
+    return written.nbytes
 
 
 def profile(fd_fn, plain_fn, n: int = 3) -> None:
@@ -522,6 +571,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--calls", type=int, default=2, help="back-to-back steps per timed sample (gloo)")
     parser.add_argument("--profile", action="store_true", help="cProfile fd's simulated step")
+    parser.add_argument(
+        "--bytes", action="store_true", help="count the bytes the ops write per step instead (simulated)"
+    )
     parser.add_argument(
         "--steady-malloc", action="store_true", help="fix glibc malloc's thresholds first (simulated)"
     )
