@@ -339,22 +339,25 @@ def _deep_job(mesh) -> dict:
     return _deep_run(mesh, held=True)
 
 
-@pytest.mark.meshes((2, 2))
-def test_a_crossed_linear_runs_as_the_distributed_backend(backend, mesh):
-    results = backend.run(_deep_job, mesh.shape, ("dp", "tp"), timeout=120)
-    expected = _deep_job(fd.simulated_mesh(mesh.shape, ("dp", "tp")))
-    for result in results:
-        for key in ("out", "grads", "second"):
-            assert_close(result[key], expected[key])
-        assert result["comm"] == expected["comm"]
-
-
 #: the deep model's tensor parallelism, its parameters sharded over "dp" (FSDP)
 _FSDP_PLAN = _DEEP_PLAN | {"": fd.FullyShard("dp")}
 
 
 def _fsdp_job(mesh) -> dict:
     return _deep_run(mesh, held=True, plan=_FSDP_PLAN)
+
+
+@pytest.mark.meshes((2, 2))
+@pytest.mark.parametrize("job", [_deep_job, _fsdp_job], ids=["crossed", "fully sharded"])
+def test_held_linear_layers_run_as_the_distributed_backend(backend, mesh, job):
+    """Crossed linear layers, and their parameters gathered held once: a rank holds one
+    block anyway, and computes the same values, gradients and collectives."""
+    results = backend.run(job, mesh.shape, ("dp", "tp"), timeout=120)
+    expected = job(fd.simulated_mesh(mesh.shape, ("dp", "tp")))
+    for result in results:
+        for key in ("out", "grads", "second"):
+            assert_close(result[key], expected[key])
+        assert result["comm"] == expected["comm"]
 
 
 @pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")], ids="-".join)
@@ -386,16 +389,6 @@ def test_fully_sharded_parameters_are_gathered_held_once(monkeypatch, names):
     # the unit's: one all-gather and one reduce-scatter, then both again for the second order
     unit = [e[:2] for e in got["comm"] if e[0] in ("all_gather", "reduce_scatter")]
     assert unit == [("all_gather", ("dp",)), ("reduce_scatter", ("dp",))] * 2
-
-
-@pytest.mark.meshes((2, 2))
-def test_fully_sharded_parameters_gathered_held_run_as_the_distributed_backend(backend, mesh):
-    results = backend.run(_fsdp_job, mesh.shape, ("dp", "tp"), timeout=120)
-    expected = _fsdp_job(fd.simulated_mesh(mesh.shape, ("dp", "tp")))
-    for result in results:
-        for key in ("out", "grads", "second"):
-            assert_close(result[key], expected[key])
-        assert result["comm"] == expected["comm"]
 
 
 @pytest.mark.parametrize("x_held", [True, False], ids=["held input", "stacked input"])
