@@ -398,32 +398,32 @@ def _scattered(grads: list[torch.Tensor], mesh: DeviceMesh, axis: str, grids) ->
     return out
 
 
-# (``axis`` below: the mesh axis and the grids of :func:`gather_unit`)
+# A unit: the mesh axis and the grids of :func:`gather_unit`.
 
 
 class _GatherUnit(torch.autograd.Function):
     @staticmethod
-    def forward(mesh, axis, *storages):
-        return tuple(_gathered(list(storages), mesh, *axis))
+    def forward(mesh, unit, *storages):
+        return tuple(_gathered(list(storages), mesh, *unit))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.axis = inputs[0], inputs[1]
+        ctx.mesh, ctx.unit = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_applied(_ScatterUnit, ctx.mesh, ctx.axis, grads))
+        return (None, None, *_applied(_ScatterUnit, ctx.mesh, ctx.unit, grads))
 
 
 class _ScatterUnit(torch.autograd.Function):
     @staticmethod
-    def forward(mesh, axis, *grads):
-        return tuple(_scattered(list(grads), mesh, *axis))
+    def forward(mesh, unit, *grads):
+        return tuple(_scattered(list(grads), mesh, *unit))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.mesh, ctx.axis = inputs[0], inputs[1]
+        ctx.mesh, ctx.unit = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_applied(_GatherUnit, ctx.mesh, ctx.axis, grads))
+        return (None, None, *_applied(_GatherUnit, ctx.mesh, ctx.unit, grads))
