@@ -504,7 +504,7 @@ def simulated_main(args) -> None:
 class _Written(TorchDispatchMode):
     """Counts the bytes of every tensor an op writes: its outputs, or the tensors it changes in
     place (an ``out=`` tensor, ``add_``'s self, a ``_foreach_mul_``'s list); views and
-    allocations write nothing."""
+    allocations write nothing (``_unsafe_view`` too: a view, whose schema does not say so)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -520,7 +520,11 @@ class _Written(TorchDispatchMode):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     value = args[i] if i < len(args) else kwargs.get(arg.name)
                     written += value if isinstance(value, (list, tuple)) else [value]
-        elif any(r.alias_info is not None for r in schema.returns) or "empty" in func.__name__:
+        elif (
+            any(r.alias_info is not None for r in schema.returns)
+            or "empty" in func.__name__
+            or func is torch.ops.aten._unsafe_view.default
+        ):
             written = []
         else:
             written = list(out) if isinstance(out, (tuple, list)) else [out]

@@ -267,6 +267,28 @@ def test_collectives_unchecked(backend, mesh):
     check_collectives(backend, mesh, COLLECTIVES, "float64", check_rep=False)
 
 
+@pytest.mark.parametrize("shape", [(2, 2), (3,), (2, 3, 2)])
+def test_a_reduce_scatter_outside_autograd_writes_each_devices_block(shape):
+    """Outside autograd the simulated mesh writes a reduce-scatter's sum straight into the
+    devices' blocks (an add for two parts, a sum for more; summed, then copied into them where
+    the groups interleave on three axes): every block the oracle's, for every tuple of axes."""
+    mesh = Mesh(shape)
+    x = global_input(mesh.size, "float64")
+    for name in ("psum_scatter", "psum_scatter tiled"):
+        for axes in axis_orders(mesh.names):
+            mapped = fd.shard_map(
+                per_device_program(name, axes, math.prod([shape[mesh.names.index(a)] for a in axes])),
+                mesh=mesh.simulated(),
+                in_specs=in_spec(mesh.names),
+                out_specs=out_spec(name, mesh.names, axes, True),
+            )
+            with torch.no_grad():
+                shards = mapped(x).local_shards()
+            for d, coordinate in enumerate(coordinates(shape)):
+                want = expected_local(name, mesh, axes, coordinate, x)
+                assert_equal(shards[d], want, f"{name} over {axes} on {mesh}: device {d}")
+
+
 def test_the_oracle_on_a_case_worked_by_hand():
     """On a 2 x 2 mesh, device (x, y) is index 2 y + x along ('y', 'x')."""
     mesh = Mesh((2, 2))

@@ -155,13 +155,37 @@ def all_gather(
 def reduce_scatter(
     x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], dim: int, tiled: bool
 ) -> torch.Tensor:
-    """Sum over the group; device ``i`` keeps block ``i`` of dim ``dim`` (removed unless tiled)."""
+    """Sum over the group; device ``i`` keeps block ``i`` of dim ``dim`` (removed unless tiled).
+    Where autograd does not see it, the sum is written straight into the devices' blocks (no
+    sum written first, then copied into them)."""
     groups, order = _to_groups(x, mesh, axes)
     rest, size, local = groups.shape[0], groups.shape[1], groups.shape[2:]
-    summed = blocks.reduce(groups, "sum", 1)  # (rest, *local)
-    if tiled:
-        summed = summed.reshape(rest, *local[:dim], size, local[dim] // size, *local[dim + 1 :])
-    return _from_groups(summed.movedim(1 + dim, 1), mesh, order)
+    if tiled:  # (rest, size: the parts summed, *local with size blocks of dim)
+        groups = groups.reshape(rest, size, *local[:dim], size, local[dim] // size, *local[dim + 1 :])
+    kept = groups.movedim(2 + dim, 2)  # (rest, parts, device's block index, *block)
+    if x.is_contiguous() and x.dtype != torch.bool and not differentiated(x):
+        out = x.new_empty((mesh.size, *kept.shape[3:]))
+        into = _canonical_view(out, mesh, order, rest, size)
+        if into is not None:
+            if size == 2:  # (one add, as blocks.reduce)
+                torch.add(kept[:, 0], kept[:, 1], out=into)
+            else:
+                torch.sum(kept, 1, dtype=x.dtype, out=into)
+            return out
+    return _from_groups(blocks.reduce(kept, "sum", 1), mesh, order)
+
+
+def _canonical_view(out: torch.Tensor, mesh: DeviceMesh, order, rest: int, group: int):
+    """``out``, stacked in mesh order, as a view in the canonical form ``(rest, group,
+    *block)``; None where that form is no view of it (groups interleaved on a mesh of three
+    or more axes)."""
+    grid = out.view(*mesh.shape, *out.shape[1:])
+    if order != tuple(range(mesh.ndim)):
+        grid = grid.permute(*order, *range(mesh.ndim, grid.dim()))
+    try:
+        return grid.view(rest, group, *out.shape[1:])
+    except RuntimeError:
+        return None
 
 
 def all_to_all(
