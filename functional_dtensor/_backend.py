@@ -39,6 +39,7 @@ from ._op_args import quiet_if
 from ._placements import Partial, Shard
 from ._sharding import check_rank, global_shape_of_local, shard_table
 from ._simulated import batched as simulated_batched
+from ._simulated import crossed as simulated_crossed
 from ._simulated import engine as simulated_engine
 from ._simulated import kernels as simulated_kernels
 from ._simulated import storage as simulated_storage
@@ -150,6 +151,12 @@ class Backend:
             per_device = gathered.numel() // max(gathered.shape[0], 1) // size * gathered.element_size()
             self.count_bytes("all_gather", axes, per_device, size)
 
+    def count_reduced(self, summed, mesh: DeviceMesh, axes: tuple[str, ...], transposed) -> None:
+        """Count what :meth:`all_reduce_held` counts (``transposed``: :meth:`spread_held`,
+        nothing), for held blocks that products wrote summed already (:meth:`reduced_linear`)."""
+        if not transposed:
+            self.count("all_reduce", axes, summed, mesh.axis_size(axes))
+
     def gathered_linear(self, x_held, weight, mesh: DeviceMesh, axis: str):
         """A column-parallel linear's product and the all-gather of its output over ``axis`` at
         once, from the input's blocks held once over ``axis`` (a backend that holds replicas
@@ -167,8 +174,15 @@ class Backend:
         """``F.linear`` per device where the weight (and bias) is held once along the axes that
         split ``x`` by rows, and ``x`` is stacked or held once along all the others: one
         product per outer position, no operand copied to the devices that share it (see
-        :func:`._simulated.batched.crossed_linear`). Nothing is counted here."""
-        return simulated_batched.crossed_linear(x, weight_rows, bias_rows, x_outer, x_held)
+        :func:`._simulated.crossed.crossed_linear`). Nothing is counted here."""
+        return simulated_crossed.crossed_linear(x, weight_rows, bias_rows, x_outer, x_held)
+
+    def reduced_linear(self, x, weight_rows, bias_rows, x_outer: bool):
+        """A row-parallel linear and the all-reduce of its output at once, where the weight (and
+        the bias's parts) is held once along the axes that split the stacked ``x`` by rows: one
+        result per position along those, written by the products as they are summed (see
+        :func:`._simulated.crossed.reduced_linear`). Nothing is counted here."""
+        return simulated_crossed.reduced_linear(x, weight_rows, bias_rows, x_outer)
 
     def end_to_end(self, rows, mesh: DeviceMesh, axis: str):
         """Every device's rows laid end to end along ``axis``, one per position along the other

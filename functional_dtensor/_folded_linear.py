@@ -22,25 +22,30 @@ import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from . import _autograd as autograd
 from . import _varied as varied
 from ._backend import backend_of
 from ._cache import Bounded
-from ._dtensor import DTensor, data_of, held_of, held_varied, new_value, storage_of
+from ._dtensor import DTensor, data_of, held_of, held_varied, new_held, new_value, parts_of, storage_of
 from ._functorch import is_transformed
 from ._global_ops import decision_for
 from ._layout import Layout
-from ._redistribute import redistribute
+from ._layout_checks import layout_for
+from ._placements import Replicate
+from ._redistribute import HeldAllReduce, held_move, redistribute
 from ._sharding import shard_table
 
-__all__ = ["folded_linear"]
+__all__ = ["folded_linear", "reduced_linear"]
 
 
 class _Folding(NamedTuple):
     """What a folded (or crossed) linear of some layouts and shapes needs: the weight's held
     plan and its axes, the decision's ``pvary`` per operand, its output layout and shape, the
-    layout the bias takes, and for a crossed one whether the input's positions (along the
-    weight's held axes) are the outer ones in device order (None: folded)."""
+    layout the bias takes, the mesh axes the output is replicated over, and for a crossed one
+    whether the input's positions (along the weight's held axes) are the outer ones in device
+    order (None: folded)."""
 
     plan: Any
     pvary: tuple
@@ -48,6 +53,7 @@ class _Folding(NamedTuple):
     shape: torch.Size
     axes: tuple[int, ...]
     bias: Layout | None
+    replicated: frozenset[str]
     x_outer: bool | None = None
 
 
@@ -63,36 +69,79 @@ def folded_linear(layer, x, weight, bias) -> DTensor | None:
     (``x`` stacked, or held once along all the other axes, as a column-parallel layer's input
     replicated over the axis that splits the weight). None where neither applies (the caller
     runs the op)."""
+    folding = _planned(layer, x, weight, bias)
+    if folding is None:
+        return None
+    x_held = held_of(x) is not None
+    rows, weight_rows, bias_rows = _operands(folding, x, weight, bias, x_held)
+    backend = backend_of(x.device_mesh)
+    if folding.x_outer is None:
+        out = backend.folded_linear(rows, weight_rows, bias_rows, x.device_mesh.shape, folding.axes)
+    else:
+        out = backend.crossed_linear(rows, weight_rows, bias_rows, folding.x_outer, x_held)
+    return new_value(out, folding.output, folding.shape)
+
+
+def reduced_linear(x, weight, bias, axis: str) -> DTensor | None:
+    """``F.linear(x, weight, bias)`` split by its input features over ``axis`` and all-reduced
+    over it (a row-parallel linear whose style replicates its output) at once, where the layer
+    runs crossed on a stacked ``x`` and the sum is held once over ``axis``: the products of the
+    devices along ``axis`` summed as they are written, one result per position along the
+    others. Apart, every device's part is written, then summed, and backward the cotangent is
+    spread to every part again. Values, gradients and the communication counted are the layer's
+    and its all-reduce's. None where this does not apply: the caller computes the product and
+    reduces it."""
+    folding = _planned(F.linear, x, weight, bias)
+    if folding is None or folding.x_outer is None or held_of(x) is not None:
+        return None
+    mesh, source = x.device_mesh, folding.output
+    position = mesh.axis_position(axis)
+    if [p.is_partial() for p in source.placements] != [a == position for a in range(mesh.ndim)]:
+        return None
+    replicated = tuple([Replicate() if p.is_partial() else p for p in source.placements])
+    target = layout_for(mesh, replicated, len(folding.shape), "fd.redistribute")  # (as the style's)
+    integral = not (x.dtype.is_floating_point or x.dtype.is_complex)
+    backend = backend_of(mesh)
+    threshold = backend.held_min_elements
+    move = held_move(source, target, tuple(folding.shape), x.element_size(), integral, threshold)
+    if move is None or not move[0] or move[1] != (axis,) or move[3] is not None:
+        return None  # (the sum is not one all-reduce over axis held once, from stacked parts)
+    rows, weight_rows, bias_rows = _operands(folding, x, weight, bias, False)
+    summed = backend.reduced_linear(rows, weight_rows, bias_rows, folding.x_outer)
+    out = autograd.apply(HeldAllReduce, summed, move[4], mesh, (axis,), False, False)
+    return new_held(out, target, folding.shape)
+
+
+def _planned(layer, x, weight, bias) -> _Folding | None:
+    """The folding of ``layer(x, weight, bias)``, where one applies."""
     if held_of(weight) is None or type(x) is not DTensor:
         return None
     if bias is not None and type(bias) is not DTensor or torch.compiler.is_compiling():
         return None
     operands = (x, weight) if bias is None else (x, weight, bias)
     x_held = held_of(x) is not None
-    key = (x_held, *[(t.sharding, t.shape, t.dtype) for t in operands])
+    key = (x_held, *[(*parts_of(t)[1:], data_of(t).dtype) for t in operands])  # (layout, shape, dtype)
     folding = _FOLDINGS.get(key)
     if folding is None and key not in _FOLDINGS:
         folding = _FOLDINGS[key] = _folding(layer, operands, x_held)
     if folding is None or is_transformed(held_of(weight)) or is_transformed(data_of(x)):
         return None
-    mesh = x.device_mesh
-    replicated = {n for n, p in zip(mesh.axis_names, folding.output.placements) if p.is_replicate()}
-    operands_varied = [varied.axes_of_value(t) for t in operands]
-    if any([axes & replicated for axes in operands_varied]):  # (its output varied there: the op's path)
-        return None
-    grad, backend = torch.is_grad_enabled(), backend_of(mesh)
-    # (in the operands' order, as the op's path: backward sums their gradients in reverse)
+    if folding.replicated and any([varied.axes_of_value(t) & folding.replicated for t in operands]):
+        return None  # (its output varied there: the op's path)
+    return folding
+
+
+def _operands(folding: _Folding, x, weight, bias, x_held: bool):
+    """The blocks the kernels take, through ``pvary`` where they need one, in the operands'
+    order, as the op's path takes them (backward sums their gradients in reverse)."""
+    mesh, grad = x.device_mesh, torch.is_grad_enabled()
     if x_held:
         rows = _held_operand(x, folding.pvary[0], mesh, grad)
     else:
         rows = varied.pvaried_where_needed(storage_of(x), mesh, folding.pvary[0], grad)
     weight_rows = _held_operand(weight, folding.pvary[1], mesh, grad)
     bias_rows = None if bias is None else _bias_rows(bias, folding, mesh, grad)
-    if folding.x_outer is None:
-        out = backend.folded_linear(rows, weight_rows, bias_rows, mesh.shape, folding.axes)
-    else:
-        out = backend.crossed_linear(rows, weight_rows, bias_rows, folding.x_outer, x_held)
-    return new_value(out, folding.output, folding.shape)
+    return rows, weight_rows, bias_rows
 
 
 def _bias_rows(bias: DTensor, folding: _Folding, mesh, grad: bool) -> torch.Tensor:
@@ -145,7 +194,9 @@ def _folding(layer, operands, x_held: bool) -> _Folding | None:
         x_outer = _crossing(x, weight, plan, decision, x_held)
         if x_outer is None:
             return None
-    return _Folding(plan, decision.pvary, decision.output, shape, plan.axes, bias_layout, x_outer)
+    placements = decision.output.placements
+    replicated = frozenset([n for n, p in zip(mesh.axis_names, placements) if p.is_replicate()])
+    return _Folding(plan, decision.pvary, decision.output, shape, plan.axes, bias_layout, replicated, x_outer)
 
 
 def _crossing(x: DTensor, weight: DTensor, plan, decision, x_held: bool) -> bool | None:

@@ -67,6 +67,7 @@ __all__ = [
     "gather_varied",
     "held_move",
     "HeldAllGather",
+    "HeldAllReduce",
     "layout_key",
     "layout_of_key",
 ]
@@ -124,7 +125,7 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
     cotangent, as a Partial value's, not its share) or one all-gather over one axis of even
     blocks moves it, and its blocks are large (:func:`held_move`): each distinct result
     computed and written once, not once per device. The gradients are the transposes, counted
-    as the distributed backend's communicate (:class:`_HeldAllReduce`, :class:`HeldAllGather`).
+    as the distributed backend's communicate (:class:`HeldAllReduce`, :class:`HeldAllGather`).
     The result is varied over ``axes`` (see :mod:`._varied`). None where it does not apply."""
     mesh = target.mesh
     data, source, shape = data_of(x), x.sharding, x.shape
@@ -151,7 +152,7 @@ def _held_moved(x: DTensor, target: Layout, axes: frozenset = frozenset()) -> DT
             summed = tuple([a for a in source_plan.axes if mesh.axis_names[a] in axes])
             held = backend_of(mesh).fold(held, source, source_plan, summed)
     if reduce:
-        out = autograd.apply(_HeldAllReduce, held, grid, mesh, names, False)
+        out = autograd.apply(HeldAllReduce, held, grid, mesh, names, False, True)
     else:
         out = autograd.apply(HeldAllGather, held, grid, mesh, names, dim, names[0] in axes, False, True)
     return new_held(varied.mark(out, axes), target, shape, frozenset(axes))
@@ -218,14 +219,18 @@ def _held_move_key(source_key: tuple, target_key: tuple, shape, itemsize: int, i
 
 
 @autograd.compilable
-class _HeldAllReduce(torch.autograd.Function):
+class HeldAllReduce(torch.autograd.Function):
     """A Partial sum made Replicate on held blocks, or (``transposed``) its transpose: the whole
-    cotangent for every part, with no communication, as the distributed backend's. Backward:
-    the other one."""
+    cotangent for every part, with no communication, as the distributed backend's. ``moved``
+    False: the blocks are summed already (a product written summed, ``reduced_linear``),
+    counted the same and left as they are. Backward: the other one."""
 
     @staticmethod
-    def forward(held, grid, mesh, names, transposed):
+    def forward(held, grid, mesh, names, transposed, moved):
         backend = backend_of(mesh)
+        if not moved:
+            backend.count_reduced(held, mesh, names, transposed)
+            return held.view_as(held)
         return (backend.spread_held if transposed else backend.all_reduce_held)(held, grid, mesh, names)
 
     @staticmethod
@@ -234,12 +239,13 @@ class _HeldAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        grid, mesh, names, transposed = ctx.args
-        return autograd.apply(_HeldAllReduce, g, grid, mesh, names, not transposed), None, None, None, None
+        grid, mesh, names, transposed, moved = ctx.args
+        back = autograd.apply(HeldAllReduce, g, grid, mesh, names, not transposed, moved)
+        return back, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
-        return autograd.apply(_HeldAllReduce, t, *ctx.args)
+        return autograd.apply(HeldAllReduce, t, *ctx.args)
 
 
 @autograd.compilable

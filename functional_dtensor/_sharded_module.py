@@ -26,6 +26,7 @@ from . import _varied as varied
 from ._backend import backend_of
 from ._dtensor import DTensor, data_of, distribute_tensor, held_of, new_held, new_value, storage_of
 from ._errors import InputTypeError, LayoutError, explain
+from ._folded_linear import reduced_linear
 from ._functorch import is_transformed
 from ._gathered_linear import gathered_linear
 from ._global_ops import implicit_replication
@@ -35,7 +36,7 @@ from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
 from ._redistribute import gather_varied, held_move, redistribute
 from ._spec import P
-from ._styles import ColwiseParallel, FullyShard, ReplicateParallel
+from ._styles import ColwiseParallel, FullyShard, ReplicateParallel, RowwiseParallel
 
 __all__ = ["ShardedModule", "build_sharded_module"]
 
@@ -215,8 +216,11 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
             wanted_out = style.outputs(sub)
             if wanted_out is not None:
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
-            if _gathers_linear(style, sub) and backend_of(mesh).holds_replicas_once:
-                sub.forward = functools.partial(_gathered_linear_forward, sub, style.axis)
+            if backend_of(mesh).holds_replicas_once and type(sub) is nn.Linear:
+                if _gathers_linear(style):
+                    sub.forward = functools.partial(_linear_forward, gathered_linear, sub, style.axis)
+                elif isinstance(style, RowwiseParallel) and style.output_layouts.is_replicate():
+                    sub.forward = functools.partial(_linear_forward, reduced_linear, sub, style.axis)
     for unit, names in managed.items():
         axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
         hook = _gather_hook(names, places, mesh, axis)
@@ -273,18 +277,18 @@ def _output_hook(mesh, axis, wanted, where):
     return hook
 
 
-def _gathers_linear(style, module: nn.Module) -> bool:
-    """Whether ``style`` gathers the output of ``module``, an ``nn.Linear`` split by its output
-    features: a column-parallel linear computed gathered at once where its input is held once
-    (see :func:`._gathered_linear.gathered_linear`)."""
-    gathers = isinstance(style, ColwiseParallel) and style.output_layouts.is_replicate()
-    return gathers and type(module) is nn.Linear
+def _gathers_linear(style) -> bool:
+    """Whether ``style`` gathers the output of an ``nn.Linear`` split by its output features:
+    a column-parallel linear computed gathered at once where its input is held once (see
+    :func:`._gathered_linear.gathered_linear`)."""
+    return isinstance(style, ColwiseParallel) and style.output_layouts.is_replicate()
 
 
-def _gathered_linear_forward(module: nn.Linear, axis: str, input):
-    """``nn.Linear.forward``, its product and the style's gather of it at once where that
-    applies (the output hook finds it gathered already)."""
-    out = gathered_linear(input, module.weight, module.bias, axis)
+def _linear_forward(at_once, module: nn.Linear, axis: str, input):
+    """``nn.Linear.forward``, its product and the style's gather (``gathered_linear``) or
+    all-reduce (``reduced_linear``) of it at once where that applies (the output hook finds
+    it done already)."""
+    out = at_once(input, module.weight, module.bias, axis)
     return F.linear(input, module.weight, module.bias) if out is None else out
 
 

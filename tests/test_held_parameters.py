@@ -19,7 +19,7 @@ from torch import nn
 
 import functional_dtensor as fd
 from functional_dtensor._dtensor import held_of
-from functional_dtensor._simulated import batched, storage
+from functional_dtensor._simulated import batched, crossed, storage
 
 #: (mesh shape, axis names, plan): tensor parallel over "tp" with data parallel over "dp"
 #: (either order of the axes), and data parallel alone (every parameter replicated)
@@ -319,16 +319,20 @@ def _deep_on_one_device(rows=(4, 2)) -> dict:
 @pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")], ids="-".join)
 def test_a_crossed_linear_equals_one_device(monkeypatch, names):
     """A column-parallel layer whose input is held once over "tp" and whose weight is held
-    once over "dp", and a row-parallel one whose input's rows outweigh its weight, run on
-    the held blocks (no weight copied to the devices that share it): values, first- and
-    second-order gradients are one device's, and the collectives are the stacked form's."""
-    crossed = []
-    monkeypatch.setattr(batched, "crossed_linear", _spy(batched.crossed_linear, crossed))
+    once over "dp", and a row-parallel one whose input's rows outweigh its weight (with its
+    all-reduce at once), run on the held blocks (no weight copied to the devices that share
+    it): values, first- and second-order gradients are one device's, and the collectives are
+    the stacked form's."""
+    calls, reduced = [], []
+    monkeypatch.setattr(crossed, "crossed_linear", _spy(crossed.crossed_linear, calls))
+    monkeypatch.setattr(crossed, "reduced_linear", _spy(crossed.reduced_linear, reduced))
     mesh = fd.simulated_mesh((2, 2), names)
     got = _deep_run(mesh, held=True)
-    # the second column-parallel layer's input held (a block per "dp" position), the last
-    # row-parallel layer's stacked (its rows outweigh the weight: not folded)
-    assert crossed == [torch.Size([2, 2, 2, 8]), torch.Size([4, 2, 2, 6])]
+    # the second column-parallel layer's input held (a block per "dp" position); the last
+    # row-parallel layer's stacked (its rows outweigh the weight: not folded), and its
+    # all-reduce over "tp" summed by its products
+    assert calls == [torch.Size([2, 2, 2, 8])]
+    assert reduced == [torch.Size([4, 2, 2, 6])]
     want = _deep_on_one_device()
     for key in ("out", "grads", "second"):
         assert_close(got[key], want[key])
@@ -404,8 +408,8 @@ def test_the_crossed_kernel_is_every_devices_product_to_any_order(x_held, x_oute
     b = torch.randn(3, 5, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
     operands = (x, w, b) if bias else (x, w)
 
-    def crossed(x, w, b=None):
-        return batched.crossed_linear(x, w, b, x_outer, x_held)
+    def layer(x, w, b=None):
+        return crossed.crossed_linear(x, w, b, x_outer, x_held)
 
     devices = [(i, j) for i in range(2) for j in range(3)]  # (position along the held axes, own)
     if not x_outer:
@@ -414,6 +418,33 @@ def test_the_crossed_kernel_is_every_devices_product_to_any_order(x_held, x_oute
     want = torch.stack(
         [F.linear(block, w[j], b[j] if bias else None) for block, (_, j) in zip(blocks, devices)]
     )
-    assert_close(crossed(*operands), want)
-    assert torch.autograd.gradcheck(crossed, operands, check_forward_ad=True)
-    assert torch.autograd.gradgradcheck(crossed, operands)
+    assert_close(layer(*operands), want)
+    assert torch.autograd.gradcheck(layer, operands, check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(layer, operands)
+
+
+@pytest.mark.parametrize("x_outer", [True, False], ids=["input outer", "weight outer"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+def test_the_reduced_kernel_is_the_sum_of_the_devices_products_to_any_order(x_outer, bias):
+    """A row-parallel layer and its all-reduce at once: for each position along the weight's
+    held axes (2), the sum over its own positions (3) of each device's block times its
+    weight's, plus its part of the bias. Reverse mode to the second order and forward mode by
+    torch's numerical checks."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(3, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(3, 5, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    operands = (x, w, b) if bias else (x, w)
+
+    def layer(x, w, b=None):
+        return crossed.reduced_linear(x, w, b, x_outer)
+
+    def device(i, j):  # the block of the device at (position along the held axes, own)
+        return x[3 * i + j] if x_outer else x[2 * j + i]
+
+    want = torch.stack(
+        [sum(F.linear(device(i, j), w[j], b[j] if bias else None) for j in range(3)) for i in range(2)]
+    )
+    assert_close(layer(*operands), want)
+    assert torch.autograd.gradcheck(layer, operands, check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(layer, operands)
