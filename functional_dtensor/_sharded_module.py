@@ -216,11 +216,9 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
             wanted_out = style.outputs(sub)
             if wanted_out is not None:
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
-            if backend_of(mesh).holds_replicas_once and type(sub) is nn.Linear:
-                if _gathers_linear(style):
-                    sub.forward = functools.partial(_linear_forward, gathered_linear, sub, style.axis)
-                elif isinstance(style, RowwiseParallel) and style.output_layouts.is_replicate():
-                    sub.forward = functools.partial(_linear_forward, reduced_linear, sub, style.axis)
+            at_once = _at_once(style, sub)
+            if at_once is not None and backend_of(mesh).holds_replicas_once:
+                sub.forward = functools.partial(_linear_forward, at_once, sub, style.axis)
     for unit, names in managed.items():
         axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
         hook = _gather_hook(names, places, mesh, axis)
@@ -277,11 +275,16 @@ def _output_hook(mesh, axis, wanted, where):
     return hook
 
 
-def _gathers_linear(style) -> bool:
-    """Whether ``style`` gathers the output of an ``nn.Linear`` split by its output features:
-    a column-parallel linear computed gathered at once where its input is held once (see
-    :func:`._gathered_linear.gathered_linear`)."""
-    return isinstance(style, ColwiseParallel) and style.output_layouts.is_replicate()
+def _at_once(style, module: nn.Module):
+    """How an ``nn.Linear`` and the collective its style runs on its output are computed at
+    once from blocks held once: a column-parallel layer whose output is gathered
+    (:func:`._gathered_linear.gathered_linear`), a row-parallel one whose output is all-reduced
+    (:func:`._folded_linear.reduced_linear`); None for other modules and styles."""
+    if type(module) is not nn.Linear or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return None
+    if not style.output_layouts.is_replicate():
+        return None
+    return gathered_linear if isinstance(style, ColwiseParallel) else reduced_linear
 
 
 def _linear_forward(at_once, module: nn.Linear, axis: str, input):
