@@ -33,8 +33,8 @@ from ._functorch import is_transformed
 from ._global_ops import decision_for
 from ._layout import Layout
 from ._layout_checks import layout_for
-from ._placements import Replicate
-from ._redistribute import HeldAllReduce, held_move, redistribute
+from ._placements import Placement, Replicate, Shard
+from ._redistribute import HeldAllGather, HeldAllReduce, held_move, redistribute
 from ._sharding import shard_table
 
 __all__ = ["folded_linear", "reduced_linear"]
@@ -82,34 +82,45 @@ def folded_linear(layer, x, weight, bias) -> DTensor | None:
     return new_value(out, folding.output, folding.shape)
 
 
-def reduced_linear(x, weight, bias, axis: str) -> DTensor | None:
-    """``F.linear(x, weight, bias)`` split by its input features over ``axis`` and all-reduced
-    over it (a row-parallel linear whose style replicates its output) at once, where the layer
-    runs crossed on a stacked ``x`` and the sum is held once over ``axis``: the products of the
-    devices along ``axis`` summed as they are written, one result per position along the
-    others. Apart, every device's part is written, then summed, and backward the cotangent is
-    spread to every part again. Values, gradients and the communication counted are the layer's
-    and its all-reduce's. None where this does not apply: the caller computes the product and
-    reduces it."""
+def reduced_linear(x, weight, bias, axis: str, placement: Placement) -> DTensor | None:
+    """``F.linear(x, weight, bias)`` split by its input features over ``axis`` and reduced over
+    it to ``placement`` (a row-parallel linear and its style's all-reduce, ``Replicate``, or
+    reduce-scatter, ``Shard``) at once, where the layer runs crossed on a stacked ``x`` and the
+    sum is held once over ``axis``: the products of the devices along ``axis`` summed as they
+    are written, one sum per position along the others (then cut into the devices' shards).
+    Apart, every device's part is written, then summed, and backward the cotangent is copied to
+    every part again. Values, gradients and the communication counted are the layer's and its
+    collective's. None where this does not apply: the caller computes the product and reduces
+    it."""
     folding = _planned(F.linear, x, weight, bias)
     if folding is None or folding.x_outer is None or held_of(x) is not None:
         return None
-    mesh, source = x.device_mesh, folding.output
+    mesh, source, ndim = x.device_mesh, folding.output, len(folding.shape)
     position = mesh.axis_position(axis)
     if [p.is_partial() for p in source.placements] != [a == position for a in range(mesh.ndim)]:
         return None
-    replicated = tuple([Replicate() if p.is_partial() else p for p in source.placements])
-    target = layout_for(mesh, replicated, len(folding.shape), "fd.redistribute")  # (as the style's)
+    placements = [Replicate() if p.is_partial() else p for p in source.placements]
+    summed_layout = layout_for(mesh, tuple(placements), ndim, "fd.redistribute")
     integral = not (x.dtype.is_floating_point or x.dtype.is_complex)
     backend = backend_of(mesh)
     threshold = backend.held_min_elements
-    move = held_move(source, target, tuple(folding.shape), x.element_size(), integral, threshold)
+    move = held_move(source, summed_layout, tuple(folding.shape), x.element_size(), integral, threshold)
     if move is None or not move[0] or move[1] != (axis,) or move[3] is not None:
         return None  # (the sum is not one all-reduce over axis held once, from stacked parts)
+    if placement.is_shard():
+        dim = placement.dim % ndim
+        placements[position] = Shard(dim)
+        target = layout_for(mesh, tuple(placements), ndim, "fd.redistribute")
+        if target.sharding_axes(dim) != (position,) or not shard_table(target, tuple(folding.shape)).is_even:
+            return None
     rows, weight_rows, bias_rows = _operands(folding, x, weight, bias, False)
     summed = backend.reduced_linear(rows, weight_rows, bias_rows, folding.x_outer)
-    out = autograd.apply(HeldAllReduce, summed, move[4], mesh, (axis,), False, False)
-    return new_held(out, target, folding.shape)
+    if placement.is_replicate():  # (the all-reduce counted, its result the sum held once)
+        out = autograd.apply(HeldAllReduce, summed, move[4], mesh, (axis,), False, False)
+        return new_held(out, summed_layout, folding.shape)
+    # each device's shard of the held sum: counted as the reduce-scatter (backward: all-gather)
+    out = autograd.apply(HeldAllGather, summed, mesh.shape, mesh, (axis,), dim, True, True, True)
+    return new_value(out, target, folding.shape)
 
 
 def _planned(layer, x, weight, bias) -> _Folding | None:

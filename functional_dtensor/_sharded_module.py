@@ -279,18 +279,21 @@ def _at_once(style, module: nn.Module):
     """How an ``nn.Linear`` and the collective its style runs on its output are computed at
     once from blocks held once: a column-parallel layer whose output is gathered
     (:func:`._gathered_linear.gathered_linear`), a row-parallel one whose output is all-reduced
-    (:func:`._folded_linear.reduced_linear`); None for other modules and styles."""
-    if type(module) is not nn.Linear or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+    or reduce-scattered (:func:`._folded_linear.reduced_linear`); None for other modules and
+    styles."""
+    if type(module) is not nn.Linear:
         return None
-    if not style.output_layouts.is_replicate():
-        return None
-    return gathered_linear if isinstance(style, ColwiseParallel) else reduced_linear
+    if isinstance(style, ColwiseParallel) and style.output_layouts.is_replicate():
+        return gathered_linear
+    if isinstance(style, RowwiseParallel) and not style.output_layouts.is_partial():
+        return functools.partial(reduced_linear, placement=style.output_layouts)
+    return None
 
 
 def _linear_forward(at_once, module: nn.Linear, axis: str, input):
     """``nn.Linear.forward``, its product and the style's gather (``gathered_linear``) or
-    all-reduce (``reduced_linear``) of it at once where that applies (the output hook finds
-    it done already)."""
+    reduction (``reduced_linear``) of it at once where that applies (the output hook finds it
+    done already)."""
     out = at_once(input, module.weight, module.bias, axis)
     return F.linear(input, module.weight, module.bias) if out is None else out
 

@@ -339,6 +339,33 @@ def test_a_crossed_linear_equals_one_device(monkeypatch, names):
     assert got["comm"] == _deep_run(mesh, held=False)["comm"]
 
 
+#: sequence parallel between the two pairs: the first row-parallel layer's output
+#: reduce-scattered over "tp" along the sequence, gathered again by the next layer
+_SEQUENCE_PLAN = _DEEP_PLAN | {
+    "2": fd.RowwiseParallel(output_layouts=fd.Shard(1)),
+    "3": fd.ColwiseParallel(input_layouts=fd.Shard(1)),
+}
+
+
+@pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")], ids="-".join)
+def test_a_row_parallel_layer_reduce_scattered_at_once_equals_one_device(monkeypatch, names):
+    """Row-parallel layers whose rows outweigh their weight, one reduce-scattered along the
+    sequence (sequence parallelism) and one all-reduced, each with its collective at once: the
+    products of the devices along "tp" summed as they are written. Values, first- and
+    second-order gradients are one device's; the collectives are the stacked form's."""
+    reduced = []
+    monkeypatch.setattr(crossed, "reduced_linear", _spy(crossed.reduced_linear, reduced))
+    mesh = fd.simulated_mesh((2, 2), names)
+    got = _deep_run(mesh, held=True, rows=(4, 4), plan=_SEQUENCE_PLAN)
+    assert reduced == [torch.Size([4, 2, 4, 8]), torch.Size([4, 2, 4, 6])]
+    want = _deep_on_one_device(rows=(4, 4))
+    for key in ("out", "grads", "second"):
+        assert_close(got[key], want[key])
+    stacked = _deep_run(mesh, held=False, rows=(4, 4), plan=_SEQUENCE_PLAN)
+    assert got["comm"] == stacked["comm"]
+    assert ("reduce_scatter", ("tp",)) in [e[:2] for e in got["comm"]]
+
+
 def _deep_job(mesh) -> dict:
     return _deep_run(mesh, held=True)
 
@@ -351,11 +378,18 @@ def _fsdp_job(mesh) -> dict:
     return _deep_run(mesh, held=True, plan=_FSDP_PLAN)
 
 
+def _sequence_job(mesh) -> dict:
+    return _deep_run(mesh, held=True, rows=(4, 4), plan=_SEQUENCE_PLAN)
+
+
 @pytest.mark.meshes((2, 2))
-@pytest.mark.parametrize("job", [_deep_job, _fsdp_job], ids=["crossed", "fully sharded"])
+@pytest.mark.parametrize(
+    "job", [_deep_job, _fsdp_job, _sequence_job], ids=["crossed", "fully sharded", "sequence parallel"]
+)
 def test_held_linear_layers_run_as_the_distributed_backend(backend, mesh, job):
-    """Crossed linear layers, and their parameters gathered held once: a rank holds one
-    block anyway, and computes the same values, gradients and collectives."""
+    """Crossed linear layers (with their all-reduce or reduce-scatter at once), and their
+    parameters gathered held once: a rank holds one block anyway, and computes the same
+    values, gradients and collectives."""
     results = backend.run(job, mesh.shape, ("dp", "tp"), timeout=120)
     expected = job(fd.simulated_mesh(mesh.shape, ("dp", "tp")))
     for result in results:
