@@ -89,6 +89,28 @@ def _input_cotangent(grid, weights, shape, x_outer: bool) -> torch.Tensor:
     return summed.unsqueeze(0)
 
 
+def _saved(ctx, inputs, output) -> None:
+    """The products' ``setup_context``: both operands saved, for either mode."""
+    x, weight, _, ctx.x_outer = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.save_for_forward(x, weight)
+
+
+def _product_rule(function, ctx, tx, tw, bias) -> torch.Tensor:
+    """The tangent of ``function``'s product of the saved operands (linear in each): each
+    operand's tangent times the other, plus ``bias``, the bias's tangent's term (or None)."""
+    x, weight = ctx.saved_tensors
+    terms = [] if bias is None else [bias]
+    if tx is not None:
+        terms.append(autograd.apply(function, tx, weight, None, ctx.x_outer))
+    if tw is not None:
+        terms.append(autograd.apply(function, x, tw, None, ctx.x_outer))
+    out = terms[0]
+    for term in terms[1:]:
+        out = out + term
+    return out
+
+
 @autograd.compilable
 class _Crossed(torch.autograd.Function):
     """:func:`crossed_linear` on ``x`` laid on the device grid ``(outer, inner, rows,
@@ -101,11 +123,7 @@ class _Crossed(torch.autograd.Function):
     def forward(x, weight, bias, x_outer):
         return _crossed(x, weight, bias, x_outer)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, _, ctx.x_outer = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.save_for_forward(x, weight)
+    setup_context = staticmethod(_saved)
 
     @staticmethod
     def backward(ctx, g):
@@ -129,19 +147,11 @@ class _Crossed(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, tx, tw, tb, _):
-        x, weight = ctx.saved_tensors
-        terms = []
-        if tx is not None:
-            terms.append(autograd.apply(_Crossed, tx, weight, None, ctx.x_outer))
-        if tw is not None:
-            terms.append(autograd.apply(_Crossed, x, tw, None, ctx.x_outer))
+        bias = None
         if tb is not None:  # every device's rows take its bias's tangent
-            xs, _, bs = _expanded(x, weight, tb, ctx.x_outer)
-            terms.append(bs.expand(*xs.shape[:3], bs.shape[-1]).reshape(-1, xs.shape[2], bs.shape[-1]))
-        out = terms[0]
-        for term in terms[1:]:
-            out = out + term
-        return out
+            xs, _, bs = _expanded(*ctx.saved_tensors, tb, ctx.x_outer)
+            bias = bs.expand(*xs.shape[:3], bs.shape[-1]).reshape(-1, xs.shape[2], bs.shape[-1])
+        return _product_rule(_Crossed, ctx, tx, tw, bias)
 
 
 def reduced_linear(x, weight, bias, x_outer: bool) -> torch.Tensor:
@@ -188,11 +198,7 @@ class _Reduced(torch.autograd.Function):
     def forward(x, weight, bias, x_outer):
         return _summed(x, weight, bias, x_outer)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, _, ctx.x_outer = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.save_for_forward(x, weight)
+    setup_context = staticmethod(_saved)
 
     @staticmethod
     def backward(ctx, g):
@@ -223,16 +229,8 @@ class _Reduced(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, tx, tw, tb, _):
-        x, weight = ctx.saved_tensors
-        terms = []
-        if tx is not None:
-            terms.append(autograd.apply(_Reduced, tx, weight, None, ctx.x_outer))
-        if tw is not None:
-            terms.append(autograd.apply(_Reduced, x, tw, None, ctx.x_outer))
+        bias = None
         if tb is not None:  # every row takes the sum of the bias's parts' tangents
-            xs = _by_input(x, ctx.x_outer)
-            terms.append(tb.sum(0).expand(xs.shape[0], xs.shape[2], tb.shape[-1]))
-        out = terms[0]
-        for term in terms[1:]:
-            out = out + term
-        return out
+            xs = _by_input(ctx.saved_tensors[0], ctx.x_outer)
+            bias = tb.sum(0).expand(xs.shape[0], xs.shape[2], tb.shape[-1])
+        return _product_rule(_Reduced, ctx, tx, tw, bias)
