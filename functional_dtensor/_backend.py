@@ -178,9 +178,10 @@ class Backend:
         return simulated_crossed.crossed_linear(x, weight_rows, bias_rows, x_outer, x_held)
 
     def reduced_linear(self, x, weight_rows, bias_rows, x_outer: bool):
-        """A row-parallel linear and the all-reduce of its output at once, where the weight (and
-        the bias's parts) is held once along the axes that split the stacked ``x`` by rows: one
-        result per position along those, written by the products as they are summed (see
+        """A row-parallel linear's products summed over the devices that split its weight (its
+        all-reduce, or the sum its reduce-scatter cuts), where the weight (and the bias's parts)
+        is held once along the axes that split the stacked ``x`` by rows: one sum per position
+        along those, written by the products as they are summed (see
         :func:`._simulated.crossed.reduced_linear`). Nothing is counted here."""
         return simulated_crossed.reduced_linear(x, weight_rows, bias_rows, x_outer)
 

@@ -13,7 +13,9 @@ is held once too (along the other axes: a column-parallel layer's input, replica
 axis that splits the weight), the layer runs crossed: one product per outer position of the
 mesh, each taking the operand its devices share (the weight's block, or the held input's) as a
 view, nothing copied; backward, the shared operand's gradient is summed over its devices by
-the products. Where neither applies, the op runs as any other.
+the products. A crossed row-parallel layer whose style all-reduces or reduce-scatters its
+output (:func:`reduced_linear`) sums the products of the devices that split the weight as it
+writes them, the collective counted, not run. Where none applies, the op runs as any other.
 """
 
 from __future__ import annotations
