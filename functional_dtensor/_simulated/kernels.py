@@ -75,13 +75,21 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
         x = x.permute(0, *[d for d in order if d != 0])
     grid = x.reshape(*mesh.shape, *x.shape[1:])
     dims = tuple(sorted([mesh.axis_position(a) for a in axes]))
-    if op == "sum" and len(dims) == 1 and x.dtype != torch.bool and not differentiated(x):  # (out= is not)
+    if op == "sum" and x.numel() < _ONE_SUM_BELOW * x.shape[0] and x.dtype != torch.bool:
+        # small blocks: one sum, one copy to every device (the fewest kernels)
+        out = grid.sum(dims, keepdim=True, dtype=x.dtype).expand(grid.shape).contiguous().view(x.shape)
+    elif op == "sum" and len(dims) == 1 and x.dtype != torch.bool and not differentiated(x):  # (out= is not)
         out = _summed_into_first(grid, dims[0]).view(x.shape)
     else:
         out = blocks.reduce(grid, op, dims, keepdim=True).expand(grid.shape).contiguous().view(x.shape)
     if order is None:
         return out
     return out.permute(sorted(range(x.dim()), key=[0, *[d for d in order if d != 0]].__getitem__))
+
+
+#: elements of a device's block below which an all-reduce's sum is one kernel: there the kernels'
+#: Python outweighs the sum's zero fill and the copies it saves
+_ONE_SUM_BELOW = 1 << 12
 
 
 def _summed_into_first(grid: torch.Tensor, dim: int) -> torch.Tensor:
