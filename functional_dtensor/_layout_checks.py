@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ._cache import Bounded
 from ._errors import InputTypeError, LayoutError, explain
 from ._layout import Layout, PlacementsOrSpec, as_layout
 from ._mesh import DeviceMesh
@@ -55,7 +56,29 @@ def layout_for(
     mesh, placements: PlacementsOrSpec, ndim: int, api: str, *, argument: str = "placements"
 ) -> Layout:
     """The normalized layout that ``api`` was given (as ``argument``) for an ``ndim``-d tensor
-    on ``mesh``."""
+    on ``mesh``: checked once per mesh, placements and ``ndim`` (a module's hooks and the loss
+    ask for the same few on every call)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        kind = type(placements)
+        key = (mesh, kind, tuple(placements) if kind is list else placements, ndim)
+        try:
+            layout = _LAYOUTS.get(key)
+        except TypeError:  # (unhashable: checked as given, below)
+            layout = key = None
+        if layout is not None:
+            return layout
+    layout = _checked_layout(mesh, placements, ndim, api, argument)
+    if key is not None:
+        _LAYOUTS[key] = layout
+    return layout
+
+
+#: (mesh, the placements' type, the placements, ndim) -> the checked, normalized layout
+_LAYOUTS = Bounded(4096, "layouts: checked")
+
+
+def _checked_layout(mesh, placements, ndim: int, api: str, argument: str) -> Layout:
     mesh = check_mesh(mesh, f"{api}(device_mesh)")
     if isinstance(placements, P) and len(placements) > ndim:
         raise LayoutError(
