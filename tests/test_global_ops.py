@@ -1054,14 +1054,14 @@ def test_layer_norm_on_stacked_devices(threshold, monkeypatch):
 
 
 def test_a_linear_weights_gradient_is_row_major_on_stacked_devices():
-    """``x @ w.t()`` (a linear layer): the weight's gradient keeps the weight's memory order,
-    as torch's mm gives it (an optimizer reads a transposed one several times slower); values
-    and derivatives of two orders."""
+    """``x @ w.t()`` (a linear layer): a weight of large blocks keeps its memory order in its
+    gradient, as torch's mm gives it (an optimizer reads a transposed one several times slower);
+    values and derivatives of two orders, for weights of small blocks (a plain product) too."""
     mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
-    x, w = values((4, 5, 6), 1), values((8, 6), 2)
     layouts = [fd.Layout.from_spec(mesh, fd.P("dp")), fd.Layout.from_spec(mesh, fd.P("tp"))]
-    two_orders(lambda v, weight: F.linear(v, weight).square(), [x, w], layouts)
-    weight = fd.distribute_tensor(w.clone().requires_grad_(), mesh, layouts[1])
+    for x, w in [(values((4, 5, 6), 1), values((8, 6), 2)), (values((2, 3, 64), 3), values((128, 64), 4))]:
+        two_orders(lambda v, weight: F.linear(v, weight).square(), [x, w], layouts)
+    weight = fd.distribute_tensor(w.clone().requires_grad_(), mesh, layouts[1])  # blocks of 64 x 64
     (grad,) = torch.autograd.grad(F.linear(fd.distribute_tensor(x, mesh, layouts[0]), weight).sum(), [weight])
     assert grad.local_shards()[0].is_contiguous() and grad.sharding == weight.sharding
 

@@ -175,12 +175,19 @@ class _Bmm(torch.autograd.Function):
         return grad_a, grad_b, grad.sum(1) if ctx.needs_input_grad[2] else None
 
 
+#: elements of a device's weight block from which its gradient keeps its memory order
+#: (:class:`_Bmm`): below, the autograd function's Python outweighs the optimizer's slower read
+_ORDERED_FROM = 1 << 12
+
+
 def _bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One product per device (plus ``bias``, a row per device); a contraction of length one is
-    a broadcast product (one kernel) where the dtype is one every device multiplies matrices of."""
+    a broadcast product (one kernel) where the dtype is one every device multiplies matrices of.
+    A transposed weight of large blocks keeps its gradient's memory order (:class:`_Bmm`)."""
     if a.size(2) == 1 and a.is_floating_point():
         return a * b if bias is None else torch.addcmul(bias.unsqueeze(1), a, b)
-    if b.requires_grad and b.mT.is_contiguous() and not b.is_contiguous():
+    ordered = b.numel() >= _ORDERED_FROM * len(b)
+    if ordered and b.requires_grad and b.mT.is_contiguous() and not b.is_contiguous():
         return autograd.apply(_Bmm, a, b, bias)
     return _product(a, b, bias)
 
@@ -363,7 +370,7 @@ def normalization(local, func, args, kwargs, ctx):
         names = ("input", "normalized_shape", "weight", "eps")
     bound = dict(zip(names, args)) | kwargs
     x = bound.pop("input")
-    if x[0].numel() >= PER_DEVICE_KERNEL:
+    if x.numel() >= PER_DEVICE_KERNEL * x.shape[0]:  # (a device's block; no op run to read it)
         return NotImplemented
     bound["input"] = x
     affine = [bound.pop(name, None) for name in ("weight", "bias")]
