@@ -38,6 +38,8 @@ __all__ = [
     "pad",
     "unpad",
     "valid_mask",
+    "outside",
+    "outside_mask",
     "distinct_shards",
     "ShardInfo",
     "shard_info",
@@ -94,6 +96,24 @@ def _reduce(x: torch.Tensor, op: str, dim, keepdim: bool) -> torch.Tensor:
         count = x.shape[dim] if isinstance(dim, int) else math.prod([x.shape[d] for d in dim])
         return total.div(count, rounding_mode="floor").to(x.dtype)
     return x.amax(dim, keepdim=keepdim) if op == "max" else x.amin(dim, keepdim=keepdim)
+
+
+def outside(indices: torch.Tensor, size: int, ignored: int | None = None) -> bool:
+    """Whether some of the integer ``indices`` fall outside ``[0, size)`` (``ignored``: an index
+    allowed anywhere, as ``ignore_index``): their extremes read in one reduction, each index
+    tested (:func:`outside_mask`) only where those fall outside."""
+    if not indices.numel():
+        return False
+    low, high = torch.stack(torch.aminmax(indices)).tolist()
+    if 0 <= low and high < size:
+        return False
+    return ignored is None or bool(outside_mask(indices, size, ignored).any())
+
+
+def outside_mask(indices: torch.Tensor, size: int, ignored: int | None = None) -> torch.Tensor:
+    """Where the integer ``indices`` fall outside ``[0, size)`` (``ignored`` allowed anywhere)."""
+    mask = (indices < 0) | (indices >= size)
+    return mask if ignored is None else mask & (indices != ignored)
 
 
 def average(total: torch.Tensor, size: int) -> torch.Tensor:

@@ -218,3 +218,18 @@ def test_loop_reduce_is_a_plain_reduction():
     assert loop_reduce(parts, "max").tolist() == [2, 0]
     assert loop_reduce(parts, "min").tolist() == [1, -3]
     assert functools.reduce(torch.add, parts).tolist() == [3, -3]
+
+
+@given(
+    st.lists(st.integers(-120, 12), max_size=12),
+    st.integers(0, 10),
+    st.sampled_from([None, -100, 3]),
+    st.sampled_from([torch.int64, torch.int32, torch.int16]),
+)
+def test_indices_outside_a_dim_are_found_as_a_loop_over_them_finds_them(indices, size, ignored, dtype):
+    """``outside``: some index outside ``[0, size)`` and not the ignored one, against a loop over
+    Python numbers; ``outside_mask`` marks exactly those."""
+    tensor = torch.tensor(indices, dtype=dtype)
+    bad = [not 0 <= i < size and i != ignored for i in indices]
+    assert blocks.outside(tensor, size, ignored) == any(bad)
+    assert blocks.outside_mask(tensor, size, ignored).tolist() == bad

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _autograd as autograd
-from .._blocks import pad
+from .._blocks import outside, pad
 from .._cache import cached
 from .._op_args import quiet_if
 from .._sharding import shard_table
@@ -303,7 +303,7 @@ def embedding(local, func, args, kwargs, ctx):
     if ctx.decision.call.params != (None, 2.0, None):
         return NotImplemented
     if indices.numel() and not torch.compiler.is_compiling():
-        if bool(((indices < 0) | (indices >= rows)).any()):
+        if outside(indices, rows):
             return NotImplemented
     n, inside = table.shape[0], None
     layout = ctx.decision.inputs[1]
@@ -346,7 +346,7 @@ def gather(local, func, args, kwargs, ctx):
         return local(func, args, kwargs, ctx)
     x, index = args[0], args[2] if len(args) > 2 else kwargs["index"]
     if index.numel() and not torch.compiler.is_compiling():
-        if bool(((index < 0) | (index >= shape[dim])).any()):
+        if outside(index, shape[dim]):
             return NotImplemented
     local_dim, size = dim - len(shape), x.shape[dim + 1]
     starts = _starts(layout, shape, dim, str(index.device)).reshape(-1, *[1] * (index.dim() - 1))

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import _blocks as blocks
 from .. import _rules as rules
 from .._backend import is_transformed
 from .._errors import InputTypeError, explain
@@ -25,7 +26,7 @@ def _check_indices(indices, total: int, where: str, of: str, ctx) -> None:
     zeros)."""
     if torch.compiler.is_compiling() or is_transformed(indices) or not indices.numel():
         return
-    if total == 0 or bool(((indices < 0) | (indices >= total)).any()):
+    if blocks.outside(indices, total):
         raise InputTypeError(
             explain(
                 where,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 
+from .. import _blocks as blocks
 from .._backend import is_transformed
 from .._cache import Bounded
 from .._dtensor import DTensor, data_of, distribute_tensor, without_partial
@@ -205,8 +206,8 @@ def _check_targets(target: DTensor, classes: int, ignore_index: int, name: str) 
     held = data_of(target)  # its distinct blocks: each device's block is one of them
     if torch.compiler.is_compiling() or is_transformed(held) or target.sharding.has_partial:
         return
-    outside = (held != ignore_index) & ((held < 0) | (held >= classes))
-    if bool(outside.any()):
+    if blocks.outside(held, classes, ignore_index):
+        outside = blocks.outside_mask(held, classes, ignore_index)
         raise InputTypeError(
             explain(
                 f"torch.nn.functional.{name}(target)",
