@@ -38,6 +38,7 @@ __all__ = [
     "pad",
     "unpad",
     "valid_mask",
+    "block_numel",
     "outside",
     "outside_mask",
     "distinct_shards",
@@ -96,6 +97,11 @@ def _reduce(x: torch.Tensor, op: str, dim, keepdim: bool) -> torch.Tensor:
         count = x.shape[dim] if isinstance(dim, int) else math.prod([x.shape[d] for d in dim])
         return total.div(count, rounding_mode="floor").to(x.dtype)
     return x.amax(dim, keepdim=keepdim) if op == "max" else x.amin(dim, keepdim=keepdim)
+
+
+def block_numel(storage: torch.Tensor) -> int:
+    """The elements of one device's block of stacked ``storage`` (read from its shape: no op)."""
+    return storage.numel() // storage.shape[0]
 
 
 def outside(indices: torch.Tensor, size: int, ignored: int | None = None) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from . import _autograd as autograd
 from ._backend import backend_of
+from ._blocks import block_numel
 from ._collectives import AllReduce, Pvary, SplitCotangent, on_storage
 from ._dtensor import DTensor, held_of, held_varied, new_held, new_value, storage_of
 from ._mesh import DeviceMesh
@@ -247,7 +248,7 @@ class _VaryAll(torch.autograd.Function):
             # backward)
             _count_bucket("all_reduce", present, ctx.mesh, ctx.axes)
             small = [
-                g is not None and h is None and _block_numel(g) < _BUCKETED_BELOW for g, h in zip(grads, held)
+                g is not None and h is None and block_numel(g) < _BUCKETED_BELOW for g, h in zip(grads, held)
             ]
             summed = list(grads)  # (a held one summed already; a small one from its concatenation)
             for i, (g, h, s) in enumerate(zip(grads, held, small)):
@@ -257,7 +258,7 @@ class _VaryAll(torch.autograd.Function):
                 parts = [grads[i] for i in indices]
                 flat = torch.cat([g.reshape(g.shape[0], -1) for g in parts], dim=1)
                 total = backend.all_reduce(flat, ctx.mesh, ctx.axes, counted=False)
-                for i, piece in zip(indices, total.split([_block_numel(g) for g in parts], dim=1)):
+                for i, piece in zip(indices, total.split([block_numel(g) for g in parts], dim=1)):
                     summed[i] = piece.reshape(grads[i].shape)
             return (None, None, *summed)
         # differentiated again: a held cotangent joins the all-reduce as parts that sum to it
@@ -339,13 +340,8 @@ def gather_unit(storages: list[torch.Tensor], mesh: DeviceMesh, axis: str, grids
 def _count_bucket(op: str, storages: list[torch.Tensor], mesh: DeviceMesh, axes: tuple[str, ...]) -> None:
     """Record ``op`` on stacked ``storages``, run one by one where they lie, as the one
     bucketed collective the ranks run (the bytes of all of them per device)."""
-    nbytes = sum([_block_numel(s) * s.element_size() for s in storages])
+    nbytes = sum([block_numel(s) * s.element_size() for s in storages])
     backend_of(mesh).count_bytes(op, axes, nbytes, mesh.axis_size(axes))
-
-
-def _block_numel(storage: torch.Tensor) -> int:
-    """The elements of one device's block of stacked ``storage`` (no op run to read it)."""
-    return storage.numel() // storage.shape[0]
 
 
 def _by_dtype(tensors) -> list[list[int]]:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _autograd as autograd
-from .._blocks import outside, pad
+from .._blocks import block_numel, outside, pad
 from .._cache import cached
 from .._op_args import quiet_if
 from .._sharding import shard_table
@@ -186,7 +186,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> 
     A transposed weight of large blocks keeps its gradient's memory order (:class:`_Bmm`)."""
     if a.size(2) == 1 and a.is_floating_point():
         return a * b if bias is None else torch.addcmul(bias.unsqueeze(1), a, b)
-    ordered = b.numel() >= _ORDERED_FROM * len(b)
+    ordered = block_numel(b) >= _ORDERED_FROM
     if ordered and b.requires_grad and b.mT.is_contiguous() and not b.is_contiguous():
         return autograd.apply(_Bmm, a, b, bias)
     return _product(a, b, bias)
@@ -370,7 +370,7 @@ def normalization(local, func, args, kwargs, ctx):
         names = ("input", "normalized_shape", "weight", "eps")
     bound = dict(zip(names, args)) | kwargs
     x = bound.pop("input")
-    if x.numel() >= PER_DEVICE_KERNEL * x.shape[0]:  # (a device's block; no op run to read it)
+    if block_numel(x) >= PER_DEVICE_KERNEL:
         return NotImplemented
     bound["input"] = x
     affine = [bound.pop(name, None) for name in ("weight", "bias")]

@@ -75,7 +75,7 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str
         x = x.permute(0, *[d for d in order if d != 0])
     grid = x.reshape(*mesh.shape, *x.shape[1:])
     dims = tuple(sorted([mesh.axis_position(a) for a in axes]))
-    if op == "sum" and x.numel() < _ONE_SUM_BELOW * x.shape[0] and x.dtype != torch.bool:
+    if op == "sum" and blocks.block_numel(x) < _ONE_SUM_BELOW and x.dtype != torch.bool:
         # small blocks: one sum, one copy to every device (the fewest kernels)
         out = grid.sum(dims, keepdim=True, dtype=x.dtype).expand(grid.shape).contiguous().view(x.shape)
     elif op == "sum" and len(dims) == 1 and x.dtype != torch.bool and not differentiated(x):  # (out= is not)

@@ -32,7 +32,7 @@ def _check_indices(indices, total: int, where: str, of: str, ctx) -> None:
                 where,
                 "an index is outside the dim it indexes",
                 expected=f"indices in [0, {total})",
-                got=f"indices {indices.unique().tolist()[:8]} for {of}",
+                got=f"indices {indices[blocks.outside_mask(indices, total)].unique().tolist()[:8]} for {of}",
                 fix="check the indices against the dim's size first",
             )
         )
