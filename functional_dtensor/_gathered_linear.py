@@ -81,6 +81,6 @@ def gathered_linear(x, weight, bias, axis: str) -> DTensor | None:
 def _varied_parameter(p: DTensor, batch: tuple[str, ...], grad: bool) -> torch.Tensor:
     """The storage of a parameter replicated over the ``batch`` axes, through ``pvary`` over
     those it is not varied over already (its gradient is each device's part there), as the
-    global ops give it (see :func:`._global_ops._varied_inputs`)."""
+    global ops give it (see :func:`._op_inputs.varied_inputs`)."""
     storage = varied.marked_storage(p)  # (a parameter held once: made from its blocks)
     return varied.pvaried_where_needed(storage, p.device_mesh, batch, grad)

@@ -32,7 +32,6 @@ from . import _fallback as fallback
 from . import _log as log
 from . import _varied as varied
 from ._cache import Bounded
-from ._collectives import Pvary, on_storage
 from ._dtensor import (
     DTensor,
     data_of,
@@ -46,7 +45,6 @@ from ._dtensor import (
     storage_of,
 )
 from ._errors import FunctionalDTensorError, InputTypeError, explain
-from ._functorch import is_transformed
 from ._op_decisions import (
     FUNC_IDS,
     HANDLERS,
@@ -60,8 +58,9 @@ from ._op_decisions import (
     no_params,
     traced_decision,
 )
+from ._op_inputs import held_locals, holds, input_storage, pvaried_locals, varied_inputs
 from ._placements import Replicate
-from ._redistribute import layout_key, redistribute
+from ._redistribute import layout_key
 from ._shard_map import NAMESPACE
 
 __all__ = ["dispatch", "decision_for", "unsupported", "unsupported_while_compiling", "implicit_replication"]
@@ -137,10 +136,10 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
             storage = held_of(value)
             if storage is None:
                 storage, layout, shape = parts_of(value)
-                if _VARIED:  # (see _varied_inputs)
+                if _VARIED:  # (see .op_inputs.varied_inputs)
                     entry = _VARIED.get(id(storage))
                     varies = varies or entry is not None and entry[0] is storage
-            else:  # held once (see _held_locals)
+            else:  # held once (see .op_inputs.held_locals)
                 layout, shape, held = value.sharding, value.shape, True
                 varies = varies or bool(_VARIED and held_varied(value))
             key += (layout, shape, storage.dtype)
@@ -155,17 +154,16 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
             torch.is_grad_enabled() and any([type(v) is torch.Tensor and v.requires_grad for v in local])
         )
     decision = _DECISIONS.get(tuple(key))
-    if (
-        decision is None
-        or not decision.direct
-        or (decision.pvary_any or varies)  # (an input varied: see _varied_inputs)
-        and torch.is_grad_enabled()
-    ):
+    if decision is None or not decision.direct:
         return _dispatch_tree(func, handler, args, {})
     ctx = decision.context
-    plan = None
-    if held:
-        local = _held_locals(args, local, ctx)
+    plan, out_varied = None, None
+    if (decision.pvary_any or varies) and torch.is_grad_enabled():  # (see .op_inputs.varied_inputs)
+        if held:
+            return _dispatch_tree(func, handler, args, {})
+        local, out_varied = pvaried_locals(args, local, decision)
+    elif held:
+        local = held_locals(args, local, ctx)
         if local is None:
             return _dispatch_tree(func, handler, args, {})
         plan = ctx.held
@@ -177,30 +175,11 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
         raise _failed(handler.name, error) from error
     if plan is not None:
         return _wrap(out, decision, new_held)
+    if out_varied:
+        return _marked(_wrap(out, decision), out_varied)
     if type(out) is torch.Tensor:  # one output: the value
         return new_value_eager(out, decision.output, decision.out_shapes[0])
     return _wrap(out, decision)
-
-
-def _held_locals(args, local: list, ctx) -> list | None:
-    """The local arguments of an op with inputs held once, on held blocks: the inputs' own,
-    stacked ones folded (see :meth:`.Backend.held_plan`). None where the output is not held
-    or an input's blocks are held along other axes too (or a transform's: see _holds)."""
-    plan = ctx.held
-    if plan is None:
-        return None
-    out, i = [], 0
-    for value, storage in zip(args, local):
-        if type(value) is DTensor:
-            if held_of(value) is None:
-                if is_transformed(storage):
-                    return None
-                storage = ctx.backend.fold(storage, ctx.decision.inputs[i], plan)
-            elif not ctx.held_fits[i]:
-                return None
-            i += 1
-        out.append(storage)
-    return out
 
 
 #: what torch raises for a dtype or a value an op does not take (meta kernels, which decide the
@@ -414,13 +393,13 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
                 log_decision(handler.name, tensors, decision)
     grad = torch.is_grad_enabled()
     held = decision.context.held
-    if held is not None and not _holds(tensors):
+    if held is not None and not holds(tensors):
         held = None
     if _VARIED and grad:
-        storages, out_varied = _varied_inputs(tensors, decision, held)
+        storages, out_varied = varied_inputs(tensors, decision, held)
     else:
         out_varied = frozenset()
-        storages = [_input(t, i, grad, held, decision) for i, t in enumerate(tensors)]
+        storages = [input_storage(t, i, grad, held, decision) for i, t in enumerate(tensors)]
     feed = iter(storages)
     if tree is None:
         local = [next(feed) if type(v) is DTensor else v for v in leaves]
@@ -442,83 +421,14 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
     if held is not None:
         return _wrap(out, decision, functools.partial(new_held, varied=out_varied))
     out = _wrap(out, decision)
-    if out_varied:
-        for value in out if isinstance(out, (tuple, list)) else (out,):
-            varied.mark(storage_of(value), out_varied)
+    return _marked(out, out_varied) if out_varied else out
+
+
+def _marked(out, axes: frozenset[str]):
+    """The outputs ``out`` (a value or several), their storages marked varied over ``axes``."""
+    for value in out if isinstance(out, (tuple, list)) else (out,):
+        varied.mark(storage_of(value), axes)
     return out
-
-
-def _holds(tensors: list[DTensor]) -> bool:
-    """Whether an op whose output can be held once runs on held blocks: where some input is
-    held already (an op on stacked inputs stays on them: a value held along some axes and
-    split along others takes a copy per device to become stacked storage again, and a view of
-    stacked storage takes none), and not on a ``torch.func`` transform's values."""
-    if all([held_of(t) is None for t in tensors]):
-        return False
-    if torch.compiler.is_compiling():  # (Dynamo traces no transform's wrapper)
-        return True
-    return not any([held_of(t) is None and is_transformed(storage_of(t)) for t in tensors])
-
-
-def _input(t: DTensor, i: int, grad: bool, held, decision: Decision):
-    """The storage of input ``i``, ``t``, for the local form: in the decision's layout,
-    through ``pvary`` where it needs a gradient; with a ``held`` plan, its blocks held once
-    (see :meth:`.Backend.held_plan`)."""
-    fits, layout, axes = decision.fits[i], decision.inputs[i], decision.pvary[i]
-    if held is not None and fits and not axes and held_of(t) is not None and decision.context.held_fits[i]:
-        return held_of(t)
-    storage = storage_of(t if fits else redistribute(t, layout))
-    if axes and grad and storage.requires_grad:
-        storage = on_storage(storage, decision.output.mesh, Pvary, axes)
-    return storage if held is None else decision.context.backend.fold(storage, layout, held)
-
-
-def _varied_inputs(tensors: list[DTensor], decision: Decision, held):
-    """The inputs' storages where some are varied (see :mod:`._varied`), and the axes the
-    output is varied over: no ``pvary`` over an input's varied axes; where the output is
-    replicated over an axis an input is varied over, the output is varied there too and every
-    other input needing a gradient gets ``pvary`` there. With a ``held`` plan, the storages
-    are held blocks, whose ``pvary`` along its axes sums nothing (a held cotangent is the sum
-    of the devices' parts already: :func:`._varied.pvaried_held`)."""
-    mesh = decision.output.mesh
-    replicated = {n for n, p in zip(mesh.axis_names, decision.output.placements) if p.is_replicate()}
-    entries = []
-    for t, fits, layout in zip(tensors, decision.fits, decision.inputs):
-        if fits and held_of(t) is not None:
-            entries.append((t, varied.axes_of_value(t)))
-            continue
-        storage = storage_of(t if fits else redistribute(t, layout))  # redistribute keeps marks
-        entries.append((storage, varied.axes_of(storage)))
-    out_varied = frozenset().union(*(axes for _, axes in entries)) & replicated
-    backend = decision.context.backend
-    along = frozenset() if held is None else frozenset([mesh.axis_names[a] for a in held.axes])
-    storages = []
-    fits = decision.context.held_fits
-    for i, ((value, axes), needed, layout) in enumerate(zip(entries, decision.pvary, decision.inputs)):
-        need = (set(needed) | out_varied) - axes
-        if type(value) is DTensor and (held is None or need - along or not fits[i]):
-            own = backend.held_plan(layout)  # held once, needed stacked
-            if need and value.requires_grad and need <= {mesh.axis_names[a] for a in own.axes}:
-                value = varied.pvaried_stacked(value, mesh, tuple(n for n in mesh.axis_names if n in need))
-                if held is not None:  # (the op's own held blocks: held along fewer axes)
-                    summed = tuple([a for a in held.axes if mesh.axis_names[a] in axes | need])
-                    value = backend.fold(value, layout, held, summed)
-                storages.append(value)
-                continue
-            value = varied.marked_storage(value)
-        if type(value) is DTensor:
-            value = held_of(value)
-        else:
-            if need - along and value.requires_grad:
-                # once per value and axes: its uses' gradients summed first
-                value = varied.pvaried(value, mesh, tuple(n for n in mesh.axis_names if n in need - along))
-            if held is not None:
-                summed = tuple([a for a in held.axes if mesh.axis_names[a] in axes])
-                value = backend.fold(value, layout, held, summed)
-        if need & along and value.requires_grad:
-            value = varied.pvaried_held(value, mesh, tuple(n for n in mesh.axis_names if n in need & along))
-        storages.append(value)
-    return storages, out_varied
 
 
 #: the decisions made while Dynamo traces, by the number the graph holds

@@ -48,6 +48,7 @@ FLOORS = {
         "_local_map",
         "_fallback",
         "_op_decisions",
+        "_op_inputs",
         "_global_ops",
         "_folded_linear",
         "_user_rules",
