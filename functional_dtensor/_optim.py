@@ -151,8 +151,8 @@ class Optimizer(torch.optim.Optimizer):
         # the storages the last step returned, where they share no memory with the tensors the
         # optimizer updates: given back, their distinct blocks are those tensors already
         self._returned: list[weakref.ref | None] = [None] * len(leaves)
-        self._options = options
-        self.optimizer = optimizer(self._tensors, **options)
+        self._options = _with_foreach(optimizer, options)
+        self.optimizer = optimizer(self._tensors, **self._options)
         # torch.optim.Optimizer's own set-up, which unpickling an optimizer runs too: its hooks and
         # its profiled step (whose calls a scheduler counts); param_groups, state and defaults
         # are the held optimizer's (the properties below)
@@ -405,6 +405,16 @@ class Optimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
 
+def _with_foreach(optimizer: type, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``foreach=True`` where a stock ``torch.optim`` optimizer would choose
+    its implementation itself (on the CPU, a Python loop of ops per tensor): its tensors are
+    the blocks of every parameter, often small, and one call of each foreach op over them all
+    costs less than a call per block. The values are torch's either way."""
+    chosen = any(options.get(name) for name in ("foreach", "fused", "differentiable"))
+    stock = optimizer.__name__ in ELEMENTWISE and optimizer.__module__.startswith("torch.optim")
+    return options if chosen or "foreach" in options or not stock else {**options, "foreach": True}
+
+
 def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
     """``(clipped, total_norm)``: ``grads`` (a pytree of ``fd.DTensor``) scaled so that their
     global ``norm_type``-norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``),
@@ -463,17 +473,22 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         backend = backend_of(total.device_mesh)
         one = backend.replica(storage_of(coef))  # the same on every device: one device's copy
-        coefs = {dtype: one.to(dtype) for dtype in {g.dtype for g in present}}
-        clipped = [None if g is None else _scaled(g, coefs[g.dtype]) for g in leaves]
+        clipped = _scaled(leaves, one)
     return optree.tree_unflatten(spec, clipped), total
 
 
-def _scaled(g: DTensor, coef: torch.Tensor) -> DTensor:
-    """``g`` times the scalar ``coef`` (held once where ``g`` is)."""
-    held = held_of(g)
-    if held is not None:
-        return new_held(held * coef, g.sharding, g.shape)
-    return new_value(storage_of(g) * coef, g.sharding, g.shape)
+def _scaled(grads: list, coef: torch.Tensor) -> list:
+    """Each of ``grads`` (or None) times the scalar ``coef``, held once where it is: one
+    ``_foreach_mul`` per dtype, not a product per gradient."""
+    out = list(grads)
+    for dtype in {g.dtype for g in grads if g is not None}:
+        indices = [i for i, g in enumerate(grads) if g is not None and g.dtype == dtype]
+        data = [held_of(grads[i]) if held_of(grads[i]) is not None else storage_of(grads[i]) for i in indices]
+        for i, product in zip(indices, torch._foreach_mul(data, coef.to(dtype))):
+            g = grads[i]
+            new = new_value if held_of(g) is None else new_held
+            out[i] = new(product, g.sharding, g.shape)
+    return out
 
 
 def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
