@@ -454,7 +454,6 @@ class Backend:
         return distinct.expand(*mesh.shape, *block).reshape(mesh.size, *block)
 
 
-@cached(1024)
 @cached(4096)
 def _holds_leaf(layout: Layout, shape: tuple[int, ...], min_elements: int) -> bool:
     table = shard_table(layout, shape)
@@ -466,6 +465,7 @@ def _holds_leaf(layout: Layout, shape: tuple[int, ...], min_elements: int) -> bo
     )
 
 
+@cached(1024)
 def _distinct_index(layout: Layout) -> tuple[slice, ...]:
     """The index of a stacked storage's grid that :meth:`Backend.distinct` reads: coordinate 0
     of the replicated axes, all of the others."""

@@ -36,6 +36,7 @@ import optree
 import torch
 
 from ._backend import backend_of
+from ._blocks import memory_order
 from ._cache import cached
 from ._dtensor import DTensor, data_of, held_of, new_held, new_value, parts_of, storage_of, without_partial
 from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
@@ -217,14 +218,15 @@ class Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _gradient(grad: DTensor, dtype: torch.dtype) -> torch.Tensor:
-        """The distinct blocks of ``grad`` in ``dtype``, contiguous like the parameter's (the
+        """The distinct blocks of ``grad`` in ``dtype``, in the parameter's memory order (the
         elementwise update reads both in one order)."""
         blocks = Optimizer._distinct(grad)
         if blocks.requires_grad:  # (a gradient taken with create_graph)
             blocks = blocks.detach()
         if blocks.dtype != dtype:
             blocks = blocks.to(dtype)
-        return blocks.contiguous()
+        # (rows with gaps between them, a bucket's slice, are read in one order as they are)
+        return blocks if memory_order(blocks) is None else blocks.contiguous()
 
     @staticmethod
     def _updated(distinct: torch.Tensor, layout, shape, requires_grad: bool) -> DTensor:
