@@ -295,6 +295,29 @@ def test_optimizer_steps_equal_torch(make, options, spec):
             assert_close(v.full_tensor(), reference.state[w][key])
 
 
+def test_the_optimizer_takes_torchs_foreach_form_where_torch_would_choose():
+    """Left to torch (no ``foreach``, ``fused`` or ``differentiable``), a stock optimizer steps
+    the blocks by its foreach form, to the same values as the loop over them; a choice given is
+    kept."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    torch.manual_seed(0)
+    params = {
+        "w": fd.distribute_tensor(torch.randn(8, 4), mesh, fd.P("x")),
+        "b": fd.distribute_tensor(torch.randn(4), mesh, fd.P()),
+    }
+    grads = {k: fd.distribute_tensor(torch.randn(v.shape), mesh, v.placements) for k, v in params.items()}
+    left = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, weight_decay=0.1)
+    loop = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, weight_decay=0.1, foreach=False)
+    fused = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, fused=True)
+    assert left.param_groups[0]["foreach"] is True and loop.param_groups[0]["foreach"] is False
+    assert fused.param_groups[0]["foreach"] is None
+    a = b = params
+    for _ in range(3):
+        a, b = left.step(a, grads), loop.step(b, grads)
+    for key in params:
+        assert torch.equal(a[key].full_tensor(), b[key].full_tensor())
+
+
 class _Holder(nn.Module):
     def __init__(self, w):
         super().__init__()
