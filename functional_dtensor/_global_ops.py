@@ -124,13 +124,14 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
             return _replicated(func, args, kwargs or {})
     if handler.rule is None:  # a composite of global ops, or an op on global values
         return handler.local(func, args, kwargs or {}, None)
-    kwargs = kwargs or {}
     if torch.compiler.is_compiling():
-        return _dispatch_tree(func, handler, args, kwargs, found)
+        return _dispatch_tree(func, handler, args, kwargs or {}, found)
     # the common case, flat arguments (keywords too: dim=-1): one pass checks them, builds the key
     # and the local arguments, as _dispatch_tree builds them
-    leaves = (*args, *kwargs.values()) if kwargs else args
-    key = [func, tuple(kwargs)] if kwargs else [func]
+    if kwargs:
+        leaves, key = (*args, *kwargs.values()), [func, tuple(kwargs)]
+    else:
+        leaves, key = args, [func]
     local = []
     held = varies = False
     for value in leaves:
@@ -151,33 +152,33 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
             key.append(value if handler.by_value or kind not in _NUMBERS else kind)
             local.append(value)
         else:
-            return _dispatch_tree(func, handler, args, kwargs, found)
+            return _dispatch_tree(func, handler, args, kwargs or {}, found)
     if handler.by_grad:  # (storages here: plain tensors, as the numbers are not)
         key.append(
             torch.is_grad_enabled() and any([type(v) is torch.Tensor and v.requires_grad for v in local])
         )
     decision = _DECISIONS.get(tuple(key))
     if decision is None or not decision.direct:
-        return _dispatch_tree(func, handler, args, kwargs)
+        return _dispatch_tree(func, handler, args, kwargs or {})
     ctx = decision.context
-    plan, out_varied = None, None
+    plan = out_varied = None
     if (decision.pvary_any or varies) and torch.is_grad_enabled():  # (see .op_inputs.varied_inputs)
         if held:
-            return _dispatch_tree(func, handler, args, kwargs)
+            return _dispatch_tree(func, handler, args, kwargs or {})
         local, out_varied = pvaried_locals(leaves, local, decision)
     elif held:
         local = held_locals(leaves, local, ctx)
         if local is None:
-            return _dispatch_tree(func, handler, args, kwargs)
+            return _dispatch_tree(func, handler, args, kwargs or {})
         plan = ctx.held
-    local_kwargs, storages = {}, None  # (None: the tensors among the arguments, in order)
+    storages = local_kwargs = None  # (storages None: the tensors among the arguments, in order)
     if kwargs:
         local_kwargs = dict(zip(kwargs, local[len(args) :]))
         storages = [s for v, s in zip(leaves, local) if type(v) is DTensor]
         local = local[: len(args)]
     try:
         out = ctx.backend.run_local(
-            handler.local, handler.batched, func, local, local_kwargs, ctx, storages, plan
+            handler.local, handler.batched, func, local, local_kwargs or {}, ctx, storages, plan
         )
     except FunctionalDTensorError:
         raise
