@@ -412,9 +412,9 @@ def _with_foreach(optimizer: type, options: dict[str, Any]) -> dict[str, Any]:
     its implementation itself (on the CPU, a Python loop of ops per tensor): its tensors are
     the blocks of every parameter, often small, and one call of each foreach op over them all
     costs less than a call per block. The values are torch's either way."""
-    chosen = any(options.get(name) for name in ("foreach", "fused", "differentiable"))
+    chosen = "foreach" in options or options.get("fused") or options.get("differentiable")
     stock = optimizer.__name__ in ELEMENTWISE and optimizer.__module__.startswith("torch.optim")
-    return options if chosen or "foreach" in options or not stock else {**options, "foreach": True}
+    return options if chosen or not stock else {**options, "foreach": True}
 
 
 def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
