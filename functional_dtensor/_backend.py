@@ -42,6 +42,7 @@ from ._simulated import batched as simulated_batched
 from ._simulated import crossed as simulated_crossed
 from ._simulated import engine as simulated_engine
 from ._simulated import kernels as simulated_kernels
+from ._simulated import losses as simulated_losses
 from ._simulated import storage as simulated_storage
 
 __all__ = ["Backend", "backend_of", "current_level", "is_transformed", "memory_of"]
@@ -184,6 +185,21 @@ class Backend:
         along those, written by the products as they are summed (see
         :func:`._simulated.crossed.reduced_linear`). Nothing is counted here."""
         return simulated_crossed.reduced_linear(x, weight_rows, bias_rows, x_outer)
+
+    def cross_entropy_parts(
+        self, logits, target, mesh: DeviceMesh, axis: str, ignore_index: int, reduction: str
+    ):
+        """Every device's part of a cross-entropy whose class dim is split evenly over ``axis``
+        and whose rows are split over the other axes, in a few kernels on the grid of the
+        devices' blocks (a backend that holds them all; see
+        :func:`._simulated.losses.cross_entropy_parts`); None on one that holds one rank's
+        block. Nothing is counted here."""
+        if not self.stacked:
+            return None
+        position = mesh.axis_position(axis)
+        return simulated_losses.cross_entropy_parts(
+            logits, target, mesh.shape, position, ignore_index, reduction
+        )
 
     def end_to_end(self, rows, mesh: DeviceMesh, axis: str):
         """Every device's rows laid end to end along ``axis``, one per position along the other

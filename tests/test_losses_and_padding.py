@@ -11,7 +11,9 @@ torch on the global tensor in float64, values and gradients:
   parameters on inputs sharded over the batch.
 
 Communication is counted with ``fd.CommDebugMode``: with the class dim sharded only per-row
-maxima and sums cross devices, never the logits.
+maxima and sums cross devices, never the logits. On a simulated mesh a loss-parallel
+cross-entropy of even blocks runs its per-row arithmetic on every device's block at once; its
+layouts, each device's part, collectives and second derivatives are the ranks'.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from backends import local_devices
 from common import assert_close, check
 
 import functional_dtensor as fd
@@ -419,6 +422,81 @@ def test_pad_keeps_the_layout_of_the_dims_it_does_not_pad(backend, mesh):
             assert kept == same, f"{name}: the layout {'changed' if same else 'kept'}"
             assert count is None and collectives > 0 or collectives == count, f"{name}: {collectives}"
             assert_close(out, value, terms=8, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def loss_parallel_parts(x, targets, mesh_shape, reduction: str) -> dict[int, torch.Tensor]:
+    """Each device's part of a loss-parallel cross-entropy of ``x`` (rows over the first mesh
+    axis of two, classes over the last), by its definition: per row, the log-sum-exp of the
+    logits less the row's maximum in equal parts over the class axis, less the target's shifted
+    logit on the device that holds its class; summed (``"sum"``), over the rows not ignored
+    (``"mean"``), or per row (``"none"``)."""
+    split, size = (mesh_shape[0], mesh_shape[-1]) if len(mesh_shape) > 1 else (1, mesh_shape[0])
+    block_rows, block_classes = x.shape[0] // split, x.shape[1] // size
+    keep = targets != -100
+    safe = torch.where(keep, targets, 0)
+    top = x.max(1).values
+    log_total = (x - top[:, None]).exp().sum(1).log()
+    picked = x.gather(1, safe[:, None])[:, 0] - top
+    parts = {}
+    for device in range(split * size):
+        rows, at = slice(device // size * block_rows, (device // size + 1) * block_rows), device % size
+        mine = (safe[rows] // block_classes) == at
+        part = torch.where(keep[rows], log_total[rows] / size - torch.where(mine, picked[rows], 0.0), 0.0)
+        count = keep.sum() if reduction == "mean" else 1
+        parts[device] = part if reduction == "none" else part.sum() / count
+    return parts
+
+
+def job_loss_parallel_at_once(mesh) -> dict:
+    """Per reduction: the layout, this process's devices' parts, the collectives, the value,
+    and the first and second derivatives of the logits."""
+    results = {}
+    for reduction in ("mean", "sum", "none"):
+        leaf = values((8, 40), 1).requires_grad_()
+        x = fd.distribute_tensor(leaf, mesh, _grid(mesh.axis_names))
+        target = fd.distribute_tensor(TARGETS, mesh, _grid_rows(mesh.axis_names), src_data_rank=None)
+        with fd.CommDebugMode() as comm:
+            out = F.cross_entropy(x, target, reduction=reduction)
+        parts = dict(zip(local_devices(mesh), [s.detach() for s in out.local_shards()]))
+        events = [(e.op, e.axes, e.nbytes) for e in comm.events]
+        full = out.full_tensor()
+        (grad,) = torch.autograd.grad(_seed(full), leaf, create_graph=True)
+        (second,) = torch.autograd.grad(_seed(grad), leaf)
+        results[reduction] = (out.placements, parts, events, full.detach(), grad.detach(), second)
+    return results
+
+
+@pytest.mark.meshes((4,), (2, 2))
+def test_loss_parallel_cross_entropy_is_the_ranks_on_every_backend(backend, mesh):
+    """Logits (8, 40), the classes split over the last axis, the rows over the first (if any):
+    the simulated mesh computes the per-row maxima, sums and picked targets on every device's
+    block at once, not as global ops; on both backends, the same layout, each device's part of
+    the Partial sum, the same collectives (the per-row maxima and sums over the class axis, a
+    mean's count over the rows' axis), and torch's values and gradients to second order."""
+    names = mesh.names
+    class_axis, row_rows = names[-1], 8 // (mesh.shape[0] if len(names) > 1 else 1)
+    for got in backend.run(job_loss_parallel_at_once, mesh.shape, names):
+        for reduction, (placements, parts, events, value, grad, second) in got.items():
+            leaf = values((8, 40), 1).requires_grad_()
+            want = F.cross_entropy(leaf, TARGETS, reduction=reduction)
+            (want_grad,) = torch.autograd.grad(_seed(want), leaf, create_graph=True)
+            (want_second,) = torch.autograd.grad(_seed(want_grad), leaf)
+            msg = lambda m, r=reduction: f"{r}: {m}"  # noqa: E731
+            want = (want.detach(), want_grad.detach(), want_second)
+            assert_close((value, grad, second), want, terms=40, msg=msg)
+            rows_split = len(names) > 1
+            if reduction == "none":
+                assert placements == ((fd.Shard(0),) if rows_split else ()) + (fd.Partial(),), reduction
+            else:
+                assert placements == (fd.Partial(),) * len(names), reduction
+            expected = [("all_reduce", (class_axis,), row_rows * 8)] * 2
+            if reduction == "mean" and rows_split:
+                expected.append(("all_reduce", (names[0],), 8))  # the count of the rows not ignored
+            assert events == expected, f"{reduction}: {events}"
+            defined = loss_parallel_parts(leaf.detach(), TARGETS, mesh.shape, reduction)
+            for device, part in parts.items():
+                msg = lambda m, r=reduction, d=device: f"{r}, device {d}: {m}"  # noqa: E731
+                assert_close(part, defined[device], terms=40, msg=msg)
 
 
 # --- real model code: HF's causal-LM loss, nn.MultiheadAttention --------------------------------

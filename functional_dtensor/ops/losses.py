@@ -11,12 +11,15 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 
 from .. import _blocks as blocks
-from .._backend import is_transformed
+from .. import _varied as varied
+from .._backend import backend_of, is_transformed
 from .._cache import Bounded
-from .._dtensor import DTensor, data_of, distribute_tensor, without_partial
+from .._dtensor import DTensor, data_of, distribute_tensor, held_of, new_value, storage_of, without_partial
 from .._errors import InputTypeError, ShapeError, explain
+from .._layout import Layout
 from .._op_decisions import Handler, refused, register
-from .._placements import Replicate
+from .._placements import Partial, Replicate, Shard
+from .._sharding import shard_table
 from .common import no_params
 
 __all__: list[str] = []
@@ -320,8 +323,56 @@ def _cross_entropy(func, args, kwargs, ctx):
         if loss.probabilities:
             return _probability_loss(log_probs, loss)
         return _reduced(*_class_losses(log_probs, loss), loss.reduction)
+    at_once = _loss_parallel_at_once(loss)
+    if at_once is not None:
+        return at_once
     shifted, log_total = _shifted(loss.input, loss.dim)
     return _reduced(*_class_losses(shifted, loss, log_total), loss.reduction)
+
+
+def _loss_parallel_at_once(loss: _Loss) -> DTensor | None:
+    """The loss-parallel cross-entropy of class indices in a few kernels on every device's
+    block at once, where the backend holds them all (a simulated mesh; see
+    :meth:`.Backend.cross_entropy_parts`): the same parts as the global ops below leave on each
+    device, the same collectives recorded. For logits ``(rows, classes)`` with the classes
+    split evenly over one axis and the rows over the other (if any; no axis of one device), the
+    target's rows laid out like them, no class weights; None elsewhere (the global ops below,
+    every case)."""
+    x, target = loss.input, loss.target
+    mesh = x.device_mesh
+    if loss.weight is not None or x.ndim != 2 or mesh.ndim > 2 or 1 in mesh.shape:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    class_axes = [a for a, p in enumerate(x.placements) if p == Shard(1)]
+    if len(class_axes) != 1 or any(p != Shard(0) for a, p in enumerate(x.placements) if a != class_axes[0]):
+        return None
+    (axis,) = class_axes
+    rows = tuple([Replicate() if a == axis else Shard(0) for a in range(mesh.ndim)])
+    if tuple(target.placements) != rows or held_of(x) is not None or held_of(target) is not None:
+        return None
+    logits, labels = storage_of(x), storage_of(target)
+    if logits.is_meta or any([is_transformed(s) or varied.axes_of(s) for s in (logits, labels)]):
+        return None
+    table = shard_table(x.sharding, tuple(x.shape))
+    if not (table.is_even and shard_table(target.sharding, tuple(target.shape)).is_even):
+        return None
+    backend, name = backend_of(mesh), mesh.axis_names[axis]
+    parts = backend.cross_entropy_parts(logits, labels, mesh, name, loss.ignore_index, loss.reduction)
+    if parts is None:
+        return None
+    # the ranks' collectives: the per-row maxima and sums over the class axis, a mean's count
+    # of the rows not ignored over the rows' axis
+    row_bytes = table.padded_shape[0] * x.element_size()
+    for _ in range(2):
+        backend.count_bytes("all_reduce", (name,), row_bytes, mesh.shape[axis])
+    if loss.reduction == "mean" and mesh.ndim == 2:
+        other = 1 - axis
+        backend.count_bytes("all_reduce", (mesh.axis_names[other],), 8, mesh.shape[other])  # (int64)
+    if loss.reduction == "none":
+        layout = Layout(mesh, tuple([Partial() if a == axis else Shard(0) for a in range(mesh.ndim)]))
+        return new_value(parts, layout, x.shape[:1])
+    return new_value(parts, Layout(mesh, (Partial(),) * mesh.ndim), torch.Size(()))
 
 
 def _nll_loss(func, args, kwargs, ctx):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import random as fd_random
+from .._cache import cached
 from .._dtensor import DTensor, data_of, held_of, new_held, storage_of, without_partial
 from .._errors import InputTypeError, ShapeError, explain
 from .._factories import empty, full, ones, zeros
@@ -76,12 +77,18 @@ register([F.dropout], Handler(None, no_params, _dropout, "dropout"))
 # --- autograd on global values ---------------------------------------------------------------
 
 
+@cached(4)
+def _signature(func) -> inspect.Signature:
+    """``torch.autograd.grad``'s or ``backward``'s signature, which binds a call's arguments
+    by name (read once: reading it costs more than the call's own Python)."""
+    return inspect.signature(func)
+
+
 def _autograd_grad(func, args, kwargs, ctx):
     """``torch.autograd.grad`` where outputs or inputs are ``fd.DTensor``: from the outputs'
     global values to the inputs' storages; each gradient laid out like its input (Partial axes
     as Replicate), as :attr:`fd.DTensor.grad`."""
-    bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
-    arguments = bound.arguments
+    arguments = _signature(func).bind(*args, **kwargs).arguments
     outputs, inputs = arguments["outputs"], arguments["inputs"]
     single = not isinstance(inputs, (tuple, list))
     inputs = [inputs] if single else list(inputs)
@@ -160,7 +167,7 @@ def run_backward(where: str, outputs: list, gradients, retain_graph, create_grap
 def _autograd_backward(func, args, kwargs, ctx):
     """``torch.autograd.backward`` where outputs or inputs are ``fd.DTensor`` (torch's function
     protocol brings it here): from the outputs' global values, as :func:`_backward`."""
-    arguments = inspect.signature(torch.autograd.backward).bind(*args, **kwargs).arguments
+    arguments = _signature(func).bind(*args, **kwargs).arguments
     tensors, grads = arguments["tensors"], arguments.get("grad_tensors")
     if grads is None:
         grads = arguments.get("grad_variables")  # torch's deprecated name
