@@ -295,10 +295,11 @@ def test_optimizer_steps_equal_torch(make, options, spec):
             assert_close(v.full_tensor(), reference.state[w][key])
 
 
-def test_the_optimizer_takes_torchs_foreach_form_where_torch_would_choose():
+def test_the_optimizer_takes_torchs_quickest_form_where_torch_would_choose():
     """Left to torch (no ``foreach``, ``fused`` or ``differentiable``), a stock optimizer steps
-    the blocks by its foreach form, to the same values as the loop over them; a choice given is
-    kept."""
+    the blocks by its fused form where torch has one (Adam, AdamW: float32 or float64 blocks),
+    to the values of ``fused=True`` given, and the loop's within rounding; by its foreach form
+    otherwise, to the loop's values exactly. A choice given is kept."""
     mesh = fd.simulated_mesh((2, 2), ("x", "y"))
     torch.manual_seed(0)
     params = {
@@ -307,15 +308,23 @@ def test_the_optimizer_takes_torchs_foreach_form_where_torch_would_choose():
     }
     grads = {k: fd.distribute_tensor(torch.randn(v.shape), mesh, v.placements) for k, v in params.items()}
     left = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, weight_decay=0.1)
+    fused = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, weight_decay=0.1, fused=True)
     loop = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, weight_decay=0.1, foreach=False)
-    fused = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, fused=True)
-    assert left.param_groups[0]["foreach"] is True and loop.param_groups[0]["foreach"] is False
-    assert fused.param_groups[0]["foreach"] is None
-    a = b = params
+    assert left.param_groups[0]["fused"] is True and left.param_groups[0]["foreach"] is None
+    assert fused.param_groups[0]["foreach"] is None and loop.param_groups[0]["foreach"] is False
+    sgd_left = fd.Optimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9)
+    sgd_loop = fd.Optimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9, foreach=False)
+    assert sgd_left.param_groups[0]["foreach"] is True and not sgd_left.param_groups[0]["fused"]
+    halves = {k: v.to(torch.bfloat16) for k, v in params.items()}
+    assert fd.Optimizer(torch.optim.AdamW, halves, lr=0.1).param_groups[0]["foreach"] is True
+    a = b = c = d = e = params
     for _ in range(3):
-        a, b = left.step(a, grads), loop.step(b, grads)
+        a, b, c = left.step(a, grads), fused.step(b, grads), loop.step(c, grads)
+        d, e = sgd_left.step(d, grads), sgd_loop.step(e, grads)
     for key in params:
         assert torch.equal(a[key].full_tensor(), b[key].full_tensor())
+        assert_close(a[key].full_tensor(), c[key].full_tensor())
+        assert torch.equal(d[key].full_tensor(), e[key].full_tensor())
 
 
 class _Holder(nn.Module):
