@@ -452,7 +452,11 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
     where = "fd.clip_grad_norm"
     leaves, spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=NAMESPACE)
     present = [g for g in leaves if g is not None]
-    for path, g in zip(optree.tree_paths(grads, none_is_leaf=True, namespace=NAMESPACE), leaves):
+    if any([type(g) is not DTensor for g in present]):
+        paths = optree.tree_paths(grads, none_is_leaf=True, namespace=NAMESPACE)
+    else:
+        paths = ()
+    for path, g in zip(paths, leaves):
         if g is not None and not isinstance(g, DTensor):
             raise InputTypeError(
                 explain(
@@ -474,7 +478,7 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
             )
         )
     mesh = present[0].device_mesh
-    other = next((g for g in present if g.device_mesh != mesh), None)
+    other = next((g for g in present if g.device_mesh is not mesh and g.device_mesh != mesh), None)
     if other is not None:
         raise MeshError(
             explain(
