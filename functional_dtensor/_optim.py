@@ -230,9 +230,9 @@ class Optimizer(torch.optim.Optimizer):
             blocks = blocks.detach()
         if blocks.dtype != dtype:
             blocks = blocks.to(dtype)
-        # (rows with gaps between them, a bucket's slice, are read in one order as they are)
         if memory_format is torch.contiguous_format:
             return blocks.contiguous()
+        # (rows with gaps between them, a bucket's slice, are read in one order as they are)
         return blocks if memory_order(blocks) is None else blocks.contiguous()
 
     @staticmethod
