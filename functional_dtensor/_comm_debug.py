@@ -37,7 +37,8 @@ class CommDebugMode:
     ``wire_bytes`` (the bytes each device sends, equal to those it receives, as
     ``fd.explain_redistribute`` counts them: ``(k-1) b`` for an all_gather, ``2 (k-1)/k b`` for
     a ring all_reduce, ``(k-1)/k b`` for a reduce_scatter or an all_to_all, ``b`` for a
-    ppermute, over ``k`` devices of ``b`` bytes each), ``module`` and ``phase``.
+    ppermute or a broadcast (``fd.distribute_tensor`` on ranks: the source rank's tensor), over
+    ``k`` devices of ``b`` bytes each), ``module`` and ``phase``.
 
     ``module`` is the path of the innermost ``torch.nn.Module`` running, named as in
     ``named_modules()`` of the outermost module running (``layers.0.attn``; the outermost

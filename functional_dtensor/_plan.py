@@ -181,9 +181,10 @@ def collective_bytes(collective: str, group_size: int, nbytes: int) -> Fraction:
     """The bytes each device receives (and, these patterns being symmetric, sends) in one
     ``collective`` over a group of ``group_size`` devices (``k``), each contributing ``nbytes``
     (``b``): an ``all_gather`` ``(k-1) b``, an ``all_reduce`` (ring) ``2 (k-1)/k b``, a
-    ``reduce_scatter`` or ``all_to_all`` ``(k-1)/k b``, a ``ppermute`` ``b``, a
-    ``reduce+broadcast`` ``(k-1) b`` (``k`` the size of either of its two axes). Exact: a
-    fraction where ``k`` does not divide ``b``.
+    ``reduce_scatter`` or ``all_to_all`` ``(k-1)/k b``, a ``ppermute`` or a ``broadcast``
+    (the root's ``b`` bytes, which every other device receives) ``b``, a ``reduce+broadcast``
+    ``(k-1) b`` (``k`` the size of either of its two axes). Exact: a fraction where ``k`` does
+    not divide ``b``.
 
     >>> collective_bytes("all_reduce", 4, 8), collective_bytes("all_gather", 4, 8)
     (Fraction(12, 1), Fraction(24, 1))
@@ -195,7 +196,7 @@ def collective_bytes(collective: str, group_size: int, nbytes: int) -> Fraction:
         return Fraction(2 * (k - 1) * nbytes, k)
     if collective in ("reduce_scatter", "all_to_all"):
         return Fraction((k - 1) * nbytes, k)
-    if collective == "ppermute":
+    if collective in ("ppermute", "broadcast"):
         return Fraction(nbytes)
     raise ValueError(f"collective_bytes: no byte count for the collective {collective!r}")
 

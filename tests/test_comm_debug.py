@@ -83,6 +83,33 @@ def test_an_all_reduce_over_two_axes_counts_their_group():
     assert comm.to_dict()["totals"]["wire_bytes"] == pytest.approx(40 / 3)
 
 
+def distribute_job(mesh) -> dict:
+    """A tensor laid out on the mesh inside a ``CommDebugMode``: its events and its table."""
+    with fd.CommDebugMode() as comm:
+        fd.distribute_tensor(torch.ones(4, 6), mesh, fd.P("x"))
+    width = Console(width=80, record=True)
+    width.print(comm.table())
+    events = [(e.op, e.axes, e.group_size, e.nbytes, e.wire_bytes) for e in comm.events]
+    return {
+        "events": events,
+        "wire": comm.get_total_wire_bytes(),
+        "table": "broadcast" in width.export_text(),
+    }
+
+
+@pytest.mark.meshes(Mesh((2, 2), ("x", "y")))
+def test_distribute_tensor_on_ranks_counts_its_broadcasts(backend, mesh):
+    """On ranks, ``fd.distribute_tensor`` broadcasts the source rank's tensor over each axis:
+    each device receives its 96 bytes per axis, counted and tabulated; in one process nothing
+    moves."""
+    for got in backend.run(distribute_job, mesh.shape, mesh.names, timeout=120):
+        if backend.world_size is None:
+            assert got == {"events": [], "wire": 0, "table": False}
+        else:
+            broadcasts = [("broadcast", (axis,), 2, 96, Fraction(96)) for axis in ("x", "y")]
+            assert got == {"events": broadcasts, "wire": Fraction(192), "table": True}
+
+
 # --- module paths, phases -----------------------------------------------------------------------
 
 
