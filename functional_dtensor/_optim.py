@@ -36,7 +36,6 @@ import optree
 import torch
 
 from ._backend import backend_of
-from ._blocks import memory_order
 from ._cache import cached
 from ._dtensor import DTensor, data_of, held_of, new_held, new_value, parts_of, storage_of, without_partial
 from ._errors import InputTypeError, LayoutError, MeshError, ShapeError, explain
@@ -148,12 +147,11 @@ class Optimizer(torch.optim.Optimizer):
                     )
                 )
         self._layouts = [(leaf.sharding, leaf.shape, leaf.dtype) for leaf in leaves]
-        distinct = [self._distinct(leaf).detach() for leaf in leaves]
-        self._options = _with_implementation(optimizer, options, distinct)
-        # torch's fused kernels read a block's memory in one run, alongside its gradient's and
-        # state's: each row-major (a transposed or gapped one would pair the wrong elements)
-        self._format = torch.contiguous_format if self._options.get("fused") else torch.preserve_format
-        self._tensors = [t.clone(memory_format=self._format) for t in distinct]
+        # every block the optimizer updates, its gradient and its state row-major: torch's fused
+        # kernels read the three in one run of memory each (a transposed or gapped one would pair
+        # the wrong elements), whichever implementation a loaded state's groups name
+        self._tensors = [_row_major_copy(self._distinct(leaf)) for leaf in leaves]
+        self._options = _with_implementation(optimizer, options, self._tensors)
         # the storages the last step returned, where they share no memory with the tensors the
         # optimizer updates: given back, their distinct blocks are those tensors already
         self._returned: list[weakref.ref | None] = [None] * len(leaves)
@@ -221,19 +219,15 @@ class Optimizer(torch.optim.Optimizer):
         return backend.distinct(storage_of(value), value.sharding)
 
     @staticmethod
-    def _gradient(grad: DTensor, dtype: torch.dtype, memory_format: torch.memory_format) -> torch.Tensor:
-        """The distinct blocks of ``grad`` in ``dtype``, in the parameter's memory order (the
-        elementwise update reads both in one order): row-major for ``torch.contiguous_format``
-        (a fused update's)."""
+    def _gradient(grad: DTensor, dtype: torch.dtype) -> torch.Tensor:
+        """The distinct blocks of ``grad`` in ``dtype``, row-major as the parameter's (the
+        elementwise update reads both in one order)."""
         blocks = Optimizer._distinct(grad)
         if blocks.requires_grad:  # (a gradient taken with create_graph)
             blocks = blocks.detach()
         if blocks.dtype != dtype:
             blocks = blocks.to(dtype)
-        if memory_format is torch.contiguous_format:
-            return blocks.contiguous()
-        # (rows with gaps between them, a bucket's slice, are read in one order as they are)
-        return blocks if memory_order(blocks) is None else blocks.contiguous()
+        return blocks.contiguous()
 
     @staticmethod
     def _updated(distinct: torch.Tensor, layout, shape, requires_grad: bool) -> DTensor:
@@ -310,8 +304,8 @@ class Optimizer(torch.optim.Optimizer):
             for tensor, value, grad, returned in zip(self._tensors, values, gradients, self._returned):
                 if returned is None or returned() is not data_of(value):
                     # fresh memory: the values returned by an earlier step keep theirs
-                    tensor.data = self._distinct(value).detach().clone(memory_format=self._format)
-                tensor.grad = None if grad is None else self._gradient(grad, tensor.dtype, self._format)
+                    tensor.data = _row_major_copy(self._distinct(value))
+                tensor.grad = None if grad is None else self._gradient(grad, tensor.dtype)
             self.optimizer.step()
             out = []
             for i, (tensor, value, (layout, shape, _)) in enumerate(
@@ -402,16 +396,19 @@ class Optimizer(torch.optim.Optimizer):
                                 fix="load the state of the same model",
                             )
                         )
-                    v = (
+                    v = _row_major_copy(
                         self._distinct(v if v.sharding == layout else redistribute(v, layout))
-                        .detach()
-                        .clone(memory_format=self._format)
                     )
                 elif isinstance(v, torch.Tensor):
                     v = v.detach().clone()  # torch keeps a step counter as given, and counts in place
                 converted[key] = v
             state[index] = converted
         self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+
+def _row_major_copy(blocks: torch.Tensor) -> torch.Tensor:
+    """A copy of ``blocks``, detached, in row-major memory order."""
+    return blocks.detach().clone(memory_format=torch.contiguous_format)
 
 
 #: the stock optimizers whose fused form (one kernel per tensor for the whole update) torch has

@@ -327,6 +327,28 @@ def test_the_optimizer_takes_torchs_quickest_form_where_torch_would_choose():
         assert torch.equal(d[key].full_tensor(), e[key].full_tensor())
 
 
+def test_a_fused_update_reads_a_gapped_gradient_right_whichever_groups_ask_for_it():
+    """Torch's fused kernels pair a block's elements with its gradient's and state's by their
+    order in memory: a gradient whose rows have gaps between them (a slice of a wider value, as
+    a reduce-scatter bucket's are) is made row-major, in an optimizer made fused and in one made
+    with ``foreach`` whose loaded state's groups ask for the fused form; both step as torch's
+    loop does."""
+    mesh = fd.simulated_mesh((2, 2), ("x", "y"))
+    torch.manual_seed(0)
+    params = {"w": fd.distribute_tensor(torch.randn(8, 4), mesh, fd.P("x"))}
+    grads = {"w": fd.distribute_tensor(torch.randn(8, 8), mesh, fd.P("x"))[:, :4]}  # rows with gaps
+    made_fused = fd.Optimizer(torch.optim.AdamW, params, lr=0.1)
+    loaded = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, foreach=True)
+    loaded.load_state_dict(made_fused.state_dict())
+    loop = fd.Optimizer(torch.optim.AdamW, params, lr=0.1, foreach=False)
+    assert made_fused.param_groups[0]["fused"] and loaded.param_groups[0]["fused"]
+    a = b = c = params
+    for _ in range(2):
+        a, b, c = made_fused.step(a, grads), loaded.step(b, grads), loop.step(c, grads)
+    assert_close(a["w"].full_tensor(), c["w"].full_tensor())
+    assert_close(b["w"].full_tensor(), c["w"].full_tensor())
+
+
 class _Holder(nn.Module):
     def __init__(self, w):
         super().__init__()
