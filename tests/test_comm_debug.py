@@ -87,13 +87,13 @@ def distribute_job(mesh) -> dict:
     """A tensor laid out on the mesh inside a ``CommDebugMode``: its events and its table."""
     with fd.CommDebugMode() as comm:
         fd.distribute_tensor(torch.ones(4, 6), mesh, fd.P("x"))
-    width = Console(width=80, record=True)
-    width.print(comm.table())
+    console = Console(width=80, record=True)
+    console.print(comm.table())
     events = [(e.op, e.axes, e.group_size, e.nbytes, e.wire_bytes) for e in comm.events]
     return {
         "events": events,
         "wire": comm.get_total_wire_bytes(),
-        "table": "broadcast" in width.export_text(),
+        "table": "broadcast" in console.export_text(),
     }
 
 
