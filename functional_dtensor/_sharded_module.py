@@ -217,7 +217,14 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
             if wanted_out is not None:
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
             at_once = _at_once(style, sub)
-            if at_once is not None and backend_of(mesh).holds_replicas_once:
+            if at_once is not None and not backend_of(mesh).holds_replicas_once:
+                at_once = None
+            if _bias_after_reduction(style, sub, places):
+                reduce = functools.partial(
+                    _on_axis, mesh=mesh, axis=style.axis, placement=wanted_out[0], where=where
+                )
+                sub.forward = functools.partial(_row_parallel_forward, at_once, reduce, sub, style.axis)
+            elif at_once is not None:
                 sub.forward = functools.partial(_linear_forward, at_once, sub, style.axis)
     for unit, names in managed.items():
         axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
@@ -296,6 +303,30 @@ def _linear_forward(at_once, module: nn.Linear, axis: str, input):
     done already)."""
     out = at_once(input, module.weight, module.bias, axis)
     return F.linear(input, module.weight, module.bias) if out is None else out
+
+
+def _bias_after_reduction(style, module: nn.Module, places) -> bool:
+    """Whether a row-parallel ``nn.Linear`` with a bias (one of the tensors ``places`` binds)
+    all-reduces its output before adding the bias, as Megatron's RowParallelLinear: the bias,
+    replicated, added once to the sum (not kept on one device of the axis as a Partial part).
+    Not where the output is reduce-scattered: there the bias's gradient, summed over a split
+    sequence, would take an all-reduce of its own."""
+    return (
+        type(module) is nn.Linear
+        and any([(module, "bias") in bound for bound in places.values()])
+        and isinstance(style, RowwiseParallel)
+        and style.output_layouts.is_replicate()
+    )
+
+
+def _row_parallel_forward(at_once, reduce, module: nn.Linear, axis: str, input):
+    """``nn.Linear.forward`` of a row-parallel layer with a bias: the product, reduced by the
+    style (``reduce``; the output hook finds it done), then the bias added; or the product and
+    its reduction at once (``at_once``, blocks held once), where that applies."""
+    out = None if at_once is None else at_once(input, module.weight, module.bias, axis)
+    if out is not None:
+        return out
+    return torch.add(reduce(F.linear(input, module.weight)), module.bias)
 
 
 def _gather_hook(names, places, mesh, axis):

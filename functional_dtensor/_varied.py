@@ -255,11 +255,11 @@ class _VaryAll(torch.autograd.Function):
                 if g is not None and h is None and not s:
                     summed[i] = backend.all_reduce(g, ctx.mesh, ctx.axes, counted=False)
             for indices in _by_dtype([g if s else None for g, s in zip(grads, small)]):
-                parts = [grads[i] for i in indices]
-                flat = torch.cat([g.reshape(g.shape[0], -1) for g in parts], dim=1)
-                total = backend.all_reduce(flat, ctx.mesh, ctx.axes, counted=False)
-                for i, piece in zip(indices, total.split([block_numel(g) for g in parts], dim=1)):
-                    summed[i] = piece.reshape(grads[i].shape)
+                # (a device's block of one dim, as a vector's gradient, is a row as it is)
+                rows = [g if g.dim() == 2 else g.reshape(g.shape[0], -1) for g in [grads[i] for i in indices]]
+                total = backend.all_reduce(torch.cat(rows, dim=1), ctx.mesh, ctx.axes, counted=False)
+                for i, piece in zip(indices, total.split([r.shape[1] for r in rows], dim=1)):
+                    summed[i] = piece if grads[i].dim() == 2 else piece.reshape(grads[i].shape)
             return (None, None, *summed)
         # differentiated again: a held cotangent joins the all-reduce as parts that sum to it
         # (the one collective counted, every step differentiable), and is taken back held

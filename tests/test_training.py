@@ -196,6 +196,34 @@ def test_rowwise_output_layouts_and_sequence_parallel():
     assert_close(y.full_tensor(), model(x))
 
 
+@pytest.mark.parametrize("output", [R, S(1)], ids=["all-reduced", "reduce-scattered"])
+def test_a_row_parallel_bias_is_added_after_the_all_reduce(monkeypatch, output):
+    """Megatron's RowParallelLinear: an all-reduced output gets the replicated bias once after
+    the sum, the bias never moved to a Partial part on one device (a redistribute of its own,
+    forward and back). A reduce-scattered output keeps the bias in the Partial sum (its gradient
+    would otherwise take an all-reduce of its own). Values and gradients are one device's."""
+    from functional_dtensor import _redistribute
+
+    moves, real = [], _redistribute._moved
+    spy = lambda x, target: moves.append((x.placements, target.placements)) or real(x, target)  # noqa: E731
+    monkeypatch.setattr(_redistribute, "_moved", spy)
+    torch.manual_seed(0)
+    mesh = fd.simulated_mesh(2, "tp")
+    model = in_float64(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)))
+    plan = {"0": fd.ColwiseParallel(), "2": fd.RowwiseParallel(output_layouts=output)}
+    sharded = fd.parallelize_module(model, mesh, plan)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    params = sharded.params
+    y = sharded.apply(params, fd.distribute_tensor(x, mesh, fd.P()))
+    to_bias_part = [m for m in moves if m == ((R,), (fd.Partial(),))]
+    assert len(to_bias_part) == (0 if output == R else 1), moves
+    grads = torch.autograd.grad((y**2).sum(), list(params.values()))
+    want = model(x)
+    want_grads = torch.autograd.grad((want**2).sum(), list(model.parameters()))
+    assert_close(y.full_tensor(), want)
+    assert_close([g.full_tensor() for g in grads], list(want_grads))
+
+
 def test_the_module_is_not_changed_and_apply_is_pure():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
