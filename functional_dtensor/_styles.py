@@ -125,7 +125,8 @@ class RowwiseParallel(Style):
     ``nn.Embedding``'s rows; transformers' ``Conv1D``, weight ``Shard(0)``) over ``axis``: the
     input is made ``Shard(-1)`` there (an
     embedding's indices ``Replicate``), the partial output reduced to ``output_layouts``
-    (``Replicate``: an all-reduce; ``Shard(1)``: a reduce-scatter, for sequence parallel)."""
+    (``Replicate``: an all-reduce, an ``nn.Linear``'s bias added once after it, as Megatron's
+    RowParallelLinear; ``Shard(1)``: a reduce-scatter, for sequence parallel)."""
 
     axis: str = "tp"
     input_layouts: Placement = Shard(-1)
