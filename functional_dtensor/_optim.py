@@ -541,7 +541,8 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
         storage = storage_of(g) if held is None else held  # (held: one row per distinct block)
         split = _split_axes(g.sharding)
         if held is None and storage.numel() < _DISTINCT_FROM:  # every device's block, as it is
-            small.setdefault((split, storage.dtype), []).append(storage.reshape(*storage.shape[:lead], -1))
+            flat = storage if storage.dim() == lead + 1 else storage.reshape(*storage.shape[:lead], -1)
+            small.setdefault((split, storage.dtype), []).append(flat)
             continue
         if held is not None:
             blocks = backend.distinct_held(held, g.sharding)
