@@ -216,16 +216,15 @@ def _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns) -> None
             wanted_out = style.outputs(sub)
             if wanted_out is not None:
                 sub.register_forward_hook(_output_hook(mesh, style.axis, wanted_out, where))
-            at_once = _at_once(style, sub)
-            if at_once is not None and not backend_of(mesh).holds_replicas_once:
-                at_once = None
+            at_once = _at_once(style, sub) if backend_of(mesh).holds_replicas_once else None
+            apart = _plain_linear
             if _bias_after_reduction(style, sub, places):
                 reduce = functools.partial(
                     _on_axis, mesh=mesh, axis=style.axis, placement=wanted_out[0], where=where
                 )
-                sub.forward = functools.partial(_row_parallel_forward, at_once, reduce, sub, style.axis)
-            elif at_once is not None:
-                sub.forward = functools.partial(_linear_forward, at_once, sub, style.axis)
+                apart = functools.partial(_bias_after, reduce)
+            if at_once is not None or apart is not _plain_linear:
+                sub.forward = functools.partial(_linear_forward, at_once, apart, sub, style.axis)
     for unit, names in managed.items():
         axis = next(s.axis for s in styles_of[unit] if isinstance(s, FullyShard))
         hook = _gather_hook(names, places, mesh, axis)
@@ -297,12 +296,23 @@ def _at_once(style, module: nn.Module):
     return None
 
 
-def _linear_forward(at_once, module: nn.Linear, axis: str, input):
-    """``nn.Linear.forward``, its product and the style's gather (``gathered_linear``) or
-    reduction (``reduced_linear``) of it at once where that applies (the output hook finds it
-    done already)."""
-    out = at_once(input, module.weight, module.bias, axis)
-    return F.linear(input, module.weight, module.bias) if out is None else out
+def _linear_forward(at_once, apart, module: nn.Linear, axis: str, input):
+    """``nn.Linear.forward`` under its style: the product and the style's gather
+    (``gathered_linear``) or reduction (``reduced_linear``) of it at once where ``at_once``
+    applies, else ``apart(module, input)`` (the output hook finds the collective done or
+    runs it)."""
+    out = None if at_once is None else at_once(input, module.weight, module.bias, axis)
+    return apart(module, input) if out is None else out
+
+
+def _plain_linear(module: nn.Linear, input):
+    return F.linear(input, module.weight, module.bias)
+
+
+def _bias_after(reduce, module: nn.Linear, input):
+    """A row-parallel layer's product reduced by its style (``reduce``), then the bias added
+    once (see :func:`_bias_after_reduction`)."""
+    return torch.add(reduce(F.linear(input, module.weight)), module.bias)
 
 
 def _bias_after_reduction(style, module: nn.Module, places) -> bool:
@@ -317,16 +327,6 @@ def _bias_after_reduction(style, module: nn.Module, places) -> bool:
         and isinstance(style, RowwiseParallel)
         and style.output_layouts.is_replicate()
     )
-
-
-def _row_parallel_forward(at_once, reduce, module: nn.Linear, axis: str, input):
-    """``nn.Linear.forward`` of a row-parallel layer with a bias: the product, reduced by the
-    style (``reduce``; the output hook finds it done), then the bias added; or the product and
-    its reduction at once (``at_once``, blocks held once), where that applies."""
-    out = None if at_once is None else at_once(input, module.weight, module.bias, axis)
-    if out is not None:
-        return out
-    return torch.add(reduce(F.linear(input, module.weight)), module.bias)
 
 
 def _gather_hook(names, places, mesh, axis):
