@@ -1,4 +1,5 @@
-"""Eager dispatch overhead of global torch ops on ``fd.DTensor``: ``a + b``, ``torch.mm``, ``a.sum()``.
+"""Eager dispatch overhead of global torch ops on ``fd.DTensor``: ``a + b``, ``torch.mm``, ``a.sum()``,
+``a[:, 1:5]``.
 
     python bench/global_ops.py [--quick] [--profile]                         # simulated mesh of 8
     torchrun --standalone --nproc-per-node 2 bench/global_ops.py [--quick]   # gloo ranks
@@ -10,7 +11,9 @@ One 8 x 8 float32 global value per input, laid out so that no op communicates:
 * ``mm``: ``torch.mm(a, b)``, a split on its columns (``fd.P(None, "x")``, ``[Shard(1)]``), b on
   its rows (``fd.P("x")``, ``[Shard(0)]``): each device multiplies its blocks, the result is
   ``Partial("sum")``;
-* ``sum``: ``a.sum()``, a split on its rows: the result is ``Partial("sum")``.
+* ``sum``: ``a.sum()``, a split on its rows: the result is ``Partial("sum")``;
+* ``index``: ``a[:, 1:5]``, a split on its rows: each device slices its block's columns, the
+  result is split on its rows.
 
 Without torchrun, on a simulated mesh of 8 devices: ``fd`` (``fd.simulated_mesh(8, "x")``),
 torch's DTensor on ``LocalTensor`` (torch's simulation, under ``LocalTensorMode(8)`` over a
@@ -48,7 +51,7 @@ import functional_dtensor as fd
 
 N = 8  # global shape N x N
 TARGET_US = 5.0
-OPS = ("add", "mm", "sum")
+OPS = ("add", "mm", "sum", "index")
 CALLS = 200  # calls per timed sample
 SLOW_CALLS = 10  # for DTensor on LocalTensor (hundreds of us per op)
 
@@ -60,7 +63,12 @@ def values():
 
 def plain_ops(t, u):
     """op -> a zero-argument call on plain tensors; ``t`` and ``u`` as the global a and b."""
-    return {"add": lambda: t + u, "mm": lambda: torch.mm(t, u), "sum": lambda: t.sum()}
+    return {
+        "add": lambda: t + u,
+        "mm": lambda: torch.mm(t, u),
+        "sum": lambda: t.sum(),
+        "index": lambda: t[:, 1:5],
+    }
 
 
 def fd_ops(mesh, t, u):
@@ -70,6 +78,7 @@ def fd_ops(mesh, t, u):
         "add": lambda: a_rows + b_rows,
         "mm": lambda: torch.mm(a_cols, b_rows),
         "sum": lambda: a_rows.sum(),
+        "index": lambda: a_rows[:, 1:5],
     }
 
 
@@ -82,6 +91,7 @@ def dtensor_ops(mesh, t, u):
         "add": lambda: a_rows + b_rows,
         "mm": lambda: torch.mm(a_cols, b_rows),
         "sum": lambda: a_rows.sum(),
+        "index": lambda: a_rows[:, 1:5],
     }
 
 
@@ -95,6 +105,7 @@ def stacked_ops(mesh, t, u):
         "add": lambda: a_rows + b_rows,  # (8, 1, 8) + (8, 1, 8)
         "mm": lambda: a_cols * b_rows,  # (8, 8, 1) @ (8, 1, 8): a contraction of length one
         "sum": lambda: torch.sum(a_rows, dim=[-2, -1]),  # (8, 1, 8) -> (8,)
+        "index": lambda: a_rows[:, :, 1:5],  # (8, 1, 8) -> (8, 1, 4)
     }
 
 
@@ -226,6 +237,7 @@ def gloo(args, reps):
         "add": lambda: t_rows + u_rows,  # (8/k, 8) + (8/k, 8)
         "mm": lambda: torch.mm(t_cols, u_rows),  # (8, 8/k) @ (8/k, 8)
         "sum": lambda: t_rows.sum(),
+        "index": lambda: t_rows[:, 1:5],
     }
     ours = fd_ops(mesh, t, u)
     theirs = dtensor_ops(torch_mesh, t, u)

@@ -105,13 +105,33 @@ _FLAT = frozenset([DTensor, int, float, bool, type(None), torch.dtype, str])  # 
 
 def _is_flat(args, compiling: bool = False) -> bool:
     """Whether positional ``args`` are leaves as they are: values of :data:`_FLAT` types, or
-    sizes (a tuple of ints, as ``x.unflatten(1, (2, 4))`` takes), or while ``compiling`` plain
-    tensors, slices and ``...`` (described by :func:`_described`)."""
+    sizes (a tuple of ints, as ``x.unflatten(1, (2, 4))`` takes), or an index (``x[:, 0]``,
+    described by :func:`_index_key`), or while ``compiling`` plain tensors, slices and ``...``
+    (described by :func:`_described`)."""
     for a in args:
         if type(a) not in _FLAT and not (isinstance(a, tuple) and all([type(n) is int for n in a])):
-            if not (compiling and (isinstance(a, (torch.Tensor, slice)) or a is Ellipsis)):
+            if compiling:
+                if not (isinstance(a, (torch.Tensor, slice)) or a is Ellipsis):
+                    return False
+            elif type(a) is not tuple or _index_key(a) is None:
                 return False
     return True
+
+
+def _index_key(index: tuple) -> tuple | None:
+    """A hashable description of ``index``, a tuple of ints, None, ``...`` and slices of ints
+    (sizes and basic indexing); None where it holds anything else (a pytree then describes
+    it). Slices are unhashable before Python 3.12."""
+    described = []
+    for item in index:
+        kind = type(item)
+        if kind is int or item is None or item is Ellipsis:
+            described.append(item)
+        elif kind is slice and all([b is None or type(b) is int for b in (item.start, item.stop, item.step)]):
+            described.append((slice, item.start, item.stop, item.step))
+        else:
+            return None
+    return tuple(described)
 
 
 def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
@@ -148,8 +168,11 @@ def dispatch(func, args, kwargs, found: tuple[Handler, int] | None = None):
                 varies = varies or bool(_VARIED and held_varied(value))
             key += (layout, shape, storage.dtype)
             local.append(storage)
-        elif kind in _FLAT or kind is tuple and all([type(n) is int for n in value]):
+        elif kind in _FLAT:
             key.append(value if handler.by_value or kind not in _NUMBERS else kind)
+            local.append(value)
+        elif kind is tuple and (described := _index_key(value)) is not None:  # sizes, an index
+            key.append(described)
             local.append(value)
         else:
             return _dispatch_tree(func, handler, args, kwargs or {}, found)
@@ -391,8 +414,10 @@ def _dispatch_tree(func, handler: Handler, args, kwargs, found=None):
                 key += (value.sharding, value.shape, data_of(value).dtype)
             elif not handler.by_value and type(value) in _NUMBERS:
                 key.append(type(value))
+            elif flat:
+                key.append(_index_key(value) if type(value) is tuple else value)
             else:
-                key.append(value if flat else _key_of(value))
+                key.append(_key_of(value))
         if handler.by_grad:
             key.append(_needs_grad(tensors))
         key = tuple(key)

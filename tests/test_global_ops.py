@@ -584,6 +584,34 @@ def test_an_elementwise_op_is_decided_once_for_every_value_of_a_number():
     assert d.sum(0).placements != d.sum(1).placements  # decided per dim
 
 
+def test_basic_indexing_is_decided_once_per_index_on_the_flat_path(monkeypatch):
+    """``x[:, 0]``, ``x[..., :2]``: an index of ints, slices of ints, None and ``...`` keys its
+    decision as it is (slices described: unhashable before Python 3.12), so a warm call runs
+    without flattening a pytree; each index its own decision."""
+    mesh = fd.simulated_mesh((2, 2), ("a", "b"))
+    x = values((4, 6, 8), 1)
+    d = fd.distribute_tensor(x, mesh, fd.P("a"))
+    indices = [
+        (slice(None), 0),
+        (slice(None), 1),
+        (Ellipsis, slice(None, 2)),
+        (Ellipsis, slice(None, 3)),
+        (None, slice(None), slice(1, 5, 2)),
+    ]
+    before = len(_global_ops._DECISIONS)
+    for index in indices:
+        close(d[index].full_tensor(), x[index])
+    assert len(_global_ops._DECISIONS) - before == len(indices)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a warm index call flattened its arguments as a pytree")
+
+    monkeypatch.setattr(_global_ops, "_dispatch_tree", refused)
+    for index in indices:
+        close(d[index].full_tensor(), x[index])
+    assert d[:, 0].placements == (S(0), R)
+
+
 def test_redistribute_takes_torchs_form():
     mesh = fd.simulated_mesh(2, "x")
     d = fd.distribute_tensor(values((4, 4), 1), mesh, fd.P("x"))
