@@ -66,6 +66,7 @@ class Backend:
         self.apply = engine.apply
         self.apply_to_storage = engine.apply_to_storage
         self.run_op = engine.run_op
+        self.ruled_ops = engine.RULED_OPS  # the ops run_op runs otherwise than as they are
         self.ops_mode = engine.ops_mode
         self.leave = engine.leave
         self.axis_index_per_device = engine.axis_index

@@ -38,6 +38,7 @@ from ._backend import backend_of
 from ._dtensor_core import (
     DTensor,
     data_of,
+    global_value,
     held_of,
     held_varied,
     new_held,
@@ -74,6 +75,7 @@ __all__ = [
     "new_held",
     "held_of",
     "data_of",
+    "global_value",
     "held_varied",
 ]
 

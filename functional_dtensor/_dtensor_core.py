@@ -31,6 +31,7 @@ __all__ = [
     "new_held",
     "held_of",
     "data_of",
+    "global_value",
     "held_varied",
 ]
 
@@ -247,11 +248,11 @@ class DTensor:
         summed over the ranks of the distributed backend. Default: the gradient is the same on
         every device.
         """
+        if grad_placements is None:
+            return _unaliased(global_value(self), storage_of(self))
         shape = tuple(self._shape)
         if not storage_of(self).is_meta:  # a meta value's global value moves nothing
             backend_of(self._layout.mesh).count_gather(self._layout, shape, storage_of(self).element_size())
-        if grad_placements is None:
-            return _unaliased(gather_storage(storage_of(self), self._layout, shape), storage_of(self))
         mesh = self.device_mesh
         replicated = Layout(mesh, (Replicate(),) * mesh.ndim)
         grad = self._grad_layout(grad_placements, "fd.DTensor.full_tensor", expected=replicated)
@@ -303,6 +304,16 @@ class DTensor:
 
     def __len__(self) -> int:
         return self._shape[0]
+
+
+def global_value(x: DTensor) -> torch.Tensor:
+    """``x``'s global value, differentiably, counted as a gather: for a computation that only
+    reads it (autograd starting from it). It may share memory with ``x``'s storage, which
+    :meth:`DTensor.full_tensor` copies for a caller who may write into what it is given."""
+    shape = tuple(x._shape)
+    if not storage_of(x).is_meta:  # a meta value's global value moves nothing
+        backend_of(x._layout.mesh).count_gather(x._layout, shape, storage_of(x).element_size())
+    return gather_storage(storage_of(x), x._layout, shape)
 
 
 def _unaliased(out: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:

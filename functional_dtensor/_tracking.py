@@ -55,6 +55,8 @@ _RANDOM = dict.fromkeys(
     ]
 )
 
+_NO_AXES: frozenset[str] = frozenset()
+
 
 class ReplicationTracker(TorchFunctionMode):
     """Propagate the varying axes of local values through every torch op."""
@@ -64,7 +66,7 @@ class ReplicationTracker(TorchFunctionMode):
         self.frame = frame
         self.all_axes = frozenset(frame.mesh.axis_names)
         self.level = frame.level  # the functorch level the per-device function runs at
-        self.run_op = frame.backend.run_op
+        self.run_op, self.ruled_ops = frame.backend.run_op, frame.backend.ruled_ops
         # (made while compiling, it runs only there: levels count the layers there)
         self.level_now = current_level if torch.compiler.is_compiling() else current_level_eager
 
@@ -82,18 +84,23 @@ class ReplicationTracker(TorchFunctionMode):
                 )
             )
         tensors = tensors_of(args, kwargs)
-        varying, mixed = frozenset(), False
+        varying, mixed = _NO_AXES, False
         if tensors:
             varying = axes_varying(tensors[0])
-            for tensor in tensors:
-                axes = axes_varying(tensor)
-                if axes != varying:
-                    mixed, varying = True, varying | axes
+            if len(tensors) > 1:
+                for tensor in tensors:
+                    axes = axes_varying(tensor)
+                    if axes != varying:
+                        mixed, varying = True, varying | axes
         if func in _RANDOM:
             varying = self.all_axes
         elif mixed:
             args, kwargs = self._pvary_inputs(func, args, kwargs, varying)
-        out = self.run_op(self.frame, func, args, kwargs, varying != self.all_axes and len(tensors) > 1)
+        lift = len(tensors) > 1 and varying != self.all_axes
+        if lift or func in self.ruled_ops:
+            out = self.run_op(self.frame, func, args, kwargs, lift)
+        else:  # (most ops: as they are)
+            out = func(*args, **kwargs)
         if varying:
             if isinstance(out, torch.Tensor):
                 tag(out, varying)

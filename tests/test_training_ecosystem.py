@@ -296,3 +296,42 @@ def test_autograd_backward_has_a_rule_of_its_own():
         )
     torch.autograd.backward(y, torch.ones(4, 2))
     assert leaf.grad.full_tensor().eq(6).all()
+
+
+def test_autograd_grad_takes_its_arguments_by_position_or_name():
+    """``torch.autograd.grad`` on fd.DTensor reads its arguments as torch does, however they are
+    passed; an unknown keyword is torch's TypeError."""
+    mesh = fd.simulated_mesh(2, "x")
+    leaf = fd.distribute_tensor(torch.arange(4.0).requires_grad_(), mesh, fd.P("x"))
+    y = leaf * leaf
+    cotangent = fd.ones(4, mesh=mesh, placements=fd.P())
+    calls = [
+        lambda: torch.autograd.grad(y, leaf, cotangent, True),
+        lambda: torch.autograd.grad(y, [leaf], grad_outputs=[cotangent], retain_graph=True),
+        lambda: torch.autograd.grad(outputs=y, inputs=(leaf,), grad_outputs=cotangent, retain_graph=True),
+        lambda: torch.autograd.grad(y.sum(), leaf, retain_graph=True, create_graph=False),
+    ]
+    for call in calls:
+        (grad,) = call()
+        assert torch.equal(grad.full_tensor(), 2 * torch.arange(4.0))
+        assert grad.placements == leaf.placements
+    with pytest.raises(TypeError, match="retian_graph"):
+        torch.autograd.grad(y.sum(), leaf, retian_graph=True)
+
+
+def test_backward_from_a_leaf_keeps_its_value_its_gradient_and_the_one_passed_in_apart():
+    """Backpropagating from a leaf whose global value is its storage or a view of it (an even
+    split) reads that storage without copying it; the gradient passed in is copied (autograd
+    may keep the tensor it is given as ``.grad`` and accumulate into it later): the leaf's
+    value, the gradient passed in and ``.grad`` stay three values, accumulated as torch
+    accumulates."""
+    for mesh in (fd.simulated_mesh(2, "x"), fd.simulated_mesh((2, 2), ("a", "b"))):
+        for placements in (fd.P(), fd.P(mesh.axis_names[0]), fd.P(mesh.axis_names)):
+            leaf = fd.ones(4, mesh=mesh, placements=placements, requires_grad=True)
+            gradient = fd.full((4,), 2.0, mesh=mesh, placements=placements)
+            leaf.backward(gradient)
+            leaf.backward(gradient)
+            torch.autograd.backward([leaf], [gradient])
+            assert torch.equal(leaf.grad.full_tensor(), torch.full((4,), 6.0)), placements
+            assert torch.equal(gradient.full_tensor(), torch.full((4,), 2.0)), placements
+            assert torch.equal(leaf.full_tensor(), torch.ones(4)), placements

@@ -19,7 +19,16 @@ from .._functorch import current_level, level_of, transforms_active
 from .._op_args import replace_inputs, tensors_of
 from . import kernels
 
-__all__ = ["run_per_device", "apply", "apply_to_storage", "axis_index", "run_op", "ops_mode", "leave"]
+__all__ = [
+    "run_per_device",
+    "apply",
+    "apply_to_storage",
+    "axis_index",
+    "run_op",
+    "RULED_OPS",
+    "ops_mode",
+    "leave",
+]
 
 
 def run_per_device(per_device, size: int, in_dims, inputs):
@@ -95,6 +104,10 @@ apply_to_storage = apply
 def axis_index(frame, axes: tuple[str, ...]) -> torch.Tensor:
     """This rank's index along ``axes``, a 0-d value."""
     return kernels.axis_index(frame.mesh, axes, frame.mesh.device_type)
+
+
+#: ops that :func:`run_op` runs otherwise than as they are: none
+RULED_OPS: frozenset = frozenset()
 
 
 def run_op(frame, func, args, kwargs, lift: bool):

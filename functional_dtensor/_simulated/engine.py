@@ -31,7 +31,7 @@ from .._functorch import (
 from .._op_args import replace_inputs, tensors_of
 from .._varying import axes_varying
 from . import kernels
-from .batching import BatchingRules, by_rule
+from .batching import RULES, BatchingRules, by_rule
 
 __all__ = [
     "run_per_device",
@@ -40,6 +40,7 @@ __all__ = [
     "apply_to_storage",
     "axis_index",
     "run_op",
+    "RULED_OPS",
     "ops_mode",
     "leave",
 ]
@@ -215,6 +216,10 @@ def _refuse_while_compiling() -> None:
 def axis_index(frame, axes: tuple[str, ...]) -> torch.Tensor:
     """Each device's index along ``axes``, as a per-device 0-d value."""
     return add_batch_dim(kernels.axis_index(frame.mesh, axes, frame.mesh.device_type), 0, frame.device_level)
+
+
+#: ops that :func:`run_op` runs otherwise than as they are (unless lifting): by their batching rules
+RULED_OPS = RULES
 
 
 def run_op(frame, func, args, kwargs, lift: bool):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import random as fd_random
 from .._cache import cached
-from .._dtensor import DTensor, data_of, held_of, new_held, storage_of, without_partial
+from .._dtensor import DTensor, data_of, global_value, held_of, new_held, storage_of, without_partial
 from .._errors import InputTypeError, ShapeError, explain
 from .._factories import empty, full, ones, zeros
 from .._op_decisions import Handler, register
@@ -78,17 +78,28 @@ register([F.dropout], Handler(None, no_params, _dropout, "dropout"))
 
 
 @cached(4)
-def _signature(func) -> inspect.Signature:
-    """``torch.autograd.grad``'s or ``backward``'s signature, which binds a call's arguments
-    by name (read once: reading it costs more than the call's own Python)."""
-    return inspect.signature(func)
+def _parameters(func) -> tuple[inspect.Signature, tuple[str, ...]]:
+    """``torch.autograd.grad``'s or ``backward``'s signature and its parameters' names (read
+    once: reading the signature costs more than the call's own Python)."""
+    signature = inspect.signature(func)
+    return signature, tuple(signature.parameters)
+
+
+def _arguments(func, args, kwargs) -> dict:
+    """A call's arguments by name, as ``inspect.Signature.bind`` gives them; without binding
+    where each argument plainly names one parameter (all of these functions' parameters are
+    positional or keyword)."""
+    signature, names = _parameters(func)
+    if len(args) <= len(names) and all(k in names[len(args) :] for k in kwargs):
+        return {**dict(zip(names, args)), **kwargs}
+    return signature.bind(*args, **kwargs).arguments  # (raises the call's TypeError)
 
 
 def _autograd_grad(func, args, kwargs, ctx):
     """``torch.autograd.grad`` where outputs or inputs are ``fd.DTensor``: from the outputs'
     global values to the inputs' storages; each gradient laid out like its input (Partial axes
     as Replicate), as :attr:`fd.DTensor.grad`."""
-    arguments = _signature(func).bind(*args, **kwargs).arguments
+    arguments = _arguments(func, args, kwargs)
     outputs, inputs = arguments["outputs"], arguments["inputs"]
     single = not isinstance(inputs, (tuple, list))
     inputs = [inputs] if single else list(inputs)
@@ -108,9 +119,10 @@ def _autograd_grad(func, args, kwargs, ctx):
     grad_outputs = arguments.get("grad_outputs")
     if grad_outputs is not None:
         grad_outputs = list(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else [grad_outputs]
+        # (copies: autograd may keep a gradient it is given as .grad and accumulate into it)
         grad_outputs = [g.full_tensor() if type(g) is DTensor else g for g in grad_outputs]
     arguments.update(
-        outputs=[o.full_tensor() if type(o) is DTensor else o for o in outputs],
+        outputs=[global_value(o) if type(o) is DTensor else o for o in outputs],
         inputs=[data_of(i) if type(i) is DTensor else i for i in inputs],
         grad_outputs=grad_outputs,
     )
@@ -156,7 +168,7 @@ def run_backward(where: str, outputs: list, gradients, retain_graph, create_grap
                 )
         gradients = [g.full_tensor() if isinstance(g, DTensor) else g for g in gradients]
     torch.autograd.backward(
-        [o.full_tensor() if isinstance(o, DTensor) else o for o in outputs],
+        [global_value(o) if isinstance(o, DTensor) else o for o in outputs],
         gradients,
         retain_graph=retain_graph,
         create_graph=create_graph,
@@ -167,7 +179,7 @@ def run_backward(where: str, outputs: list, gradients, retain_graph, create_grap
 def _autograd_backward(func, args, kwargs, ctx):
     """``torch.autograd.backward`` where outputs or inputs are ``fd.DTensor`` (torch's function
     protocol brings it here): from the outputs' global values, as :func:`_backward`."""
-    arguments = _signature(func).bind(*args, **kwargs).arguments
+    arguments = _arguments(func, args, kwargs)
     tensors, grads = arguments["tensors"], arguments.get("grad_tensors")
     if grads is None:
         grads = arguments.get("grad_variables")  # torch's deprecated name
