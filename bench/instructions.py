@@ -1,6 +1,6 @@
 """Instructions per call, counted by valgrind: a figure that a loaded machine does not move.
 
-    python bench/instructions.py [identity|add|mlp|example ...] [--calls N]
+    python bench/instructions.py [identity|add|floors|mlp|example ...] [--calls N]
 
 On a shared machine, times of a few microseconds move by 2x from one minute to the next; the
 number of instructions a call executes does not. Each workload runs warm (its caches filled),
@@ -14,6 +14,10 @@ each: importing torch under valgrind is most of it).
   8 simulated devices (what a property test pays per example);
 * ``add``: an add inside ``shard_map`` (``check_rep`` on): the difference between calls of 50
   adds and of none, per add;
+* ``floors``: the same add counted the same way as plain torch runs it on one 4-element tensor,
+  under functorch's vmap primitives over 8 devices, and under them with an empty Python
+  torch-function mode (``tiny_op.py``'s floors): what any simulation by a device vmap with a
+  Python mode pays per op before any work of its own;
 * ``mlp``, ``example``: one step of ``bench/small_step.py``'s MLP and example steps.
 
 To compare two versions of the package, run the script with each first on ``sys.path`` (for
@@ -31,9 +35,10 @@ import sys
 import warnings
 from pathlib import Path
 
-WORKLOADS = ("identity", "add", "mlp", "example")
+WORKLOADS = ("identity", "add", "floors", "mlp", "example")
+FLOORS = {"plain torch": "plain", "vmap primitives": "vmap", "vmap + empty mode": "mode"}
 ADDS = 50  # adds per call of the ``add`` workload
-DEFAULT_CALLS = {"identity": 300, "add": 20, "mlp": 3, "example": 5}
+DEFAULT_CALLS = {"identity": 300, "add": 20, "floors": 20, "mlp": 3, "example": 5}
 
 
 def _call(workload: str, adds: int):
@@ -44,7 +49,16 @@ def _call(workload: str, adds: int):
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    if workload in ("identity", "add"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if workload in FLOORS.values():
+        import tiny_op
+
+        body = tiny_op.adds(adds)
+        if workload == "plain":
+            call = tiny_op.plain(body, torch.zeros(tiny_op.LOCAL))
+        else:
+            call = tiny_op.vmap_floor(body, 8, with_mode=workload == "mode")
+    elif workload in ("identity", "add"):
         mesh = fd.simulated_mesh(8, "x")
 
         def body(x):
@@ -56,7 +70,6 @@ def _call(workload: str, adds: int):
         x = fd.distribute_tensor(torch.zeros(8 * 4), mesh, fd.P("x"))
         call = lambda: f(x)  # noqa: E731
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import small_step
 
         mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
@@ -64,7 +77,7 @@ def _call(workload: str, adds: int):
             _, call = small_step.mlp_steps(mesh)
         else:
             _, call, _ = small_step.example_steps(mesh)
-    for _ in range(20 if workload in ("identity", "add") else 3):
+    for _ in range(3 if workload in ("mlp", "example") else 20):
         call()
     return call
 
@@ -113,6 +126,10 @@ def main() -> None:
         if workload == "add":
             per = (_counted("add", calls, ADDS) - _counted("add", calls, 0)) / (calls * ADDS)
             print(f"add inside shard_map (check_rep): {per:,.0f} instructions per add")
+        elif workload == "floors":
+            for name, floor in FLOORS.items():
+                per = (_counted(floor, calls, ADDS) - _counted(floor, calls, 0)) / (calls * ADDS)
+                print(f"add, floor: {name}: {per:,.0f} instructions per add")
         else:
             per = _counted(workload, calls, 0) / calls
             print(f"{workload}: {per:,.0f} instructions per call")
