@@ -250,9 +250,7 @@ class DTensor:
         """
         if grad_placements is None:
             return _unaliased(global_value(self), storage_of(self))
-        shape = tuple(self._shape)
-        if not storage_of(self).is_meta:  # a meta value's global value moves nothing
-            backend_of(self._layout.mesh).count_gather(self._layout, shape, storage_of(self).element_size())
+        shape = _gathered_shape(self)
         mesh = self.device_mesh
         replicated = Layout(mesh, (Replicate(),) * mesh.ndim)
         grad = self._grad_layout(grad_placements, "fd.DTensor.full_tensor", expected=replicated)
@@ -310,10 +308,16 @@ def global_value(x: DTensor) -> torch.Tensor:
     """``x``'s global value, differentiably, counted as a gather: for a computation that only
     reads it (autograd starting from it). It may share memory with ``x``'s storage, which
     :meth:`DTensor.full_tensor` copies for a caller who may write into what it is given."""
+    return gather_storage(storage_of(x), x._layout, _gathered_shape(x))
+
+
+def _gathered_shape(x: DTensor) -> tuple[int, ...]:
+    """``x``'s global shape, its gather to the global value recorded (a meta value's moves
+    nothing)."""
     shape = tuple(x._shape)
-    if not storage_of(x).is_meta:  # a meta value's global value moves nothing
+    if not storage_of(x).is_meta:
         backend_of(x._layout.mesh).count_gather(x._layout, shape, storage_of(x).element_size())
-    return gather_storage(storage_of(x), x._layout, shape)
+    return shape
 
 
 def _unaliased(out: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
