@@ -1,7 +1,8 @@
 """The tensor-parallel MLP as ``fd.shard_map`` on the simulated mesh and as JAX's ``shard_map``
 on forced host devices, each beside its own unsharded program, on the same CPU.
 
-    python bench/jax_mlp.py [--quick] [--reps N]
+    python bench/jax_mlp.py [--quick] [--reps N] [--no-compile]
+    python bench/jax_mlp.py --host       # where the eager torch steps' time goes, not timed
     pip install -e '.[bench]'    # JAX; without it the JAX variants are skipped
 
 One step is the loss and its gradients with respect to w1 and w2 of the Megatron MLP
@@ -34,6 +35,13 @@ timing, every variant's loss and gradients are checked against a float64 torch r
 within a few times the float32 error of its own unsharded program (``_checks.py``; each
 unsharded program within a few times plain torch's). glibc malloc's thresholds are fixed
 first (``steady_malloc``), so that no variant page-faults its buffers back in on every call.
+
+``--host`` times nothing side by side: it splits each eager torch step (``torch, unsharded``,
+``stacked torch, 8``: the per-device math written by hand on the stacked shards, the kernels
+``fd.shard_map`` runs, and ``fd.shard_map, 8``) into its kernels (the time ``torch.profiler``
+finds inside aten ops) and the host's work around them (Python, the autograd engine's
+bookkeeping), at the benchmark's size and at a toy size (batch 8, dim 8, hidden 16) where the
+kernels take almost nothing. Medians over the reps, in microseconds.
 """
 
 from __future__ import annotations
@@ -67,11 +75,11 @@ BATCH, DIM, HIDDEN, DEVICES = 64, 512, 2048, 8
 LABELS = ("loss", "dw1", "dw2")
 
 
-def make_inputs():
+def make_inputs(batch: int = BATCH, dim: int = DIM, hidden: int = HIDDEN):
     torch.manual_seed(0)
-    x = torch.randn(BATCH, DIM)
-    w1 = (torch.randn(DIM, HIDDEN) / DIM**0.5).requires_grad_()
-    w2 = (torch.randn(HIDDEN, DIM) / HIDDEN**0.5).requires_grad_()
+    x = torch.randn(batch, dim)
+    w1 = (torch.randn(dim, hidden) / dim**0.5).requires_grad_()
+    w2 = (torch.randn(hidden, dim) / hidden**0.5).requires_grad_()
     return x, w1, w2
 
 
@@ -81,6 +89,80 @@ def torch_unsharded(x, w1, w2):
         return (loss, *torch.autograd.grad(loss, (w1, w2)))
 
     return step
+
+
+def torch_stacked(x, w1, w2):
+    """The per-device math by hand on the stacked shards: ``x`` times every device's columns of
+    ``w1`` in one product, each device's block of it times its rows of ``w2`` (one ``bmm``),
+    the devices' products summed (the psum)."""
+    batch, hidden = x.shape[0], w1.shape[1]
+
+    def step():
+        h = (x @ w1).view(batch, DEVICES, hidden // DEVICES).transpose(0, 1)  # (devices, batch, block)
+        y = (torch.relu(h) @ w2.view(DEVICES, hidden // DEVICES, -1)).sum(0)
+        loss = (y**2).mean()
+        return (loss, *torch.autograd.grad(loss, (w1, w2)))
+
+    return step
+
+
+def host_split(steps: dict, reps: int) -> dict:
+    """Per step, the medians (us) of its time, of its kernels' (the time ``torch.profiler``
+    finds inside aten ops) and of the rest (the host's work around them: Python, the autograd
+    engine's bookkeeping)."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    for step in steps.values():  # warm
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            for name, step in steps.items():
+                with record_function(f"step: {name}"):
+                    step()
+    samples: dict = {name: [] for name in steps}
+    for event in prof.events():
+        name = event.name.removeprefix("step: ")
+        if event.name.startswith("step: ") and name in samples:
+            samples[name].append((event.cpu_time_total, _in_aten(event)))
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    return {
+        name: (median([t for t, _ in got]), median([k for _, k in got]), median([t - k for t, k in got]))
+        for name, got in samples.items()
+    }
+
+
+def _in_aten(event) -> float:
+    """The time (us) spent in aten ops under ``event``: their own time, each counted once."""
+    pending, total = list(event.cpu_children), 0.0
+    while pending:
+        child = pending.pop()
+        total += child.self_cpu_time_total if child.name.startswith("aten::") else 0.0
+        pending.extend(child.cpu_children)
+    return total
+
+
+def print_host_split(reps: int) -> None:
+    rows = []
+    for size in ((BATCH, DIM, HIDDEN), (8, 8, 16)):
+        x, w1, w2 = make_inputs(*size)
+        steps = {
+            "torch, unsharded": torch_unsharded(x, w1, w2),
+            "stacked torch, 8": torch_stacked(x, w1, w2),
+            "fd.shard_map, 8": fd_sharded(x, w1, w2),
+        }
+        reference = dict(zip(LABELS, torch_unsharded(*in_float64((x, w1, w2)))()))
+        torch_f32 = dict(zip(LABELS, (t.detach() for t in steps["torch, unsharded"]())))
+        for name in ("stacked torch, 8", "fd.shard_map, 8"):
+            got = dict(zip(LABELS, (t.detach() for t in steps[name]())))
+            checked(f"{name} against the torch unsharded step", got, reference, torch_f32)
+        for name, (total, kernels, host) in host_split(steps, reps).items():
+            rows.append(["x".join(map(str, size)), name, f"{total:.0f}", f"{kernels:.0f}", f"{host:.0f}"])
+    print_table(
+        f"Where the eager steps' time goes (torch.profiler, medians of {reps} interleaved reps, us)",
+        ["batch x dim x hidden", "variant", "step", "in aten ops", "host, around them"],
+        rows,
+    )
 
 
 def torch_compiled(x, w1, w2):
@@ -160,11 +242,15 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a few repetitions only")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
+    parser.add_argument("--host", action="store_true", help="the eager steps' kernels and host work apart")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steady_malloc()
     reps = args.reps or (10 if args.quick else 100)
     warnings.filterwarnings("ignore")
+    if args.host:
+        print_host_split(min(reps, 40))
+        return
 
     x, w1, w2 = make_inputs()
     reference = dict(zip(LABELS, torch_unsharded(*in_float64((x, w1, w2)))()))
