@@ -22,7 +22,16 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["Samples", "interleaved", "median_ms", "table", "print_table", "verdict", "steady_malloc"]
+__all__ = [
+    "Samples",
+    "interleaved",
+    "median_ms",
+    "table",
+    "print_table",
+    "verdict",
+    "steady_malloc",
+    "host_split",
+]
 
 
 class Samples(NamedTuple):
@@ -103,3 +112,44 @@ def steady_malloc() -> None:
         libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MiB of free heap
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def host_split(steps: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float, float]]:
+    """Where each step's time goes, by ``torch.profiler`` over ``reps`` interleaved calls: per
+    step, the medians (us) of the whole call, of the time inside aten ops (each op's own time,
+    counted once: the kernels and torch's dispatch into them) and of the rest (the host's work
+    around them: Python, the autograd engine's bookkeeping). The profiler's own cost is in the
+    figures: read them side by side, not against timed runs."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    for step in steps.values():  # warm
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            for name, step in steps.items():
+                with record_function(f"step: {name}"):
+                    step()
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+    for event in prof.events():
+        name = event.name.removeprefix("step: ")
+        if event.name.startswith("step: ") and name in samples:
+            samples[name].append((event.cpu_time_total, _in_aten(event)))
+    return {
+        name: (
+            statistics.median([whole for whole, _ in got]),
+            statistics.median([aten for _, aten in got]),
+            statistics.median([whole - aten for whole, aten in got]),
+        )
+        for name, got in samples.items()
+    }
+
+
+def _in_aten(event) -> float:
+    """The time (us) spent in aten ops under ``event``: their own time, each counted once."""
+    pending, total = list(event.cpu_children), 0.0
+    while pending:
+        child = pending.pop()
+        total += child.self_cpu_time_total if child.name.startswith("aten::") else 0.0
+        pending.extend(child.cpu_children)
+    return total

@@ -59,7 +59,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _checks import checked, in_float64  # noqa: E402
-from _timing import interleaved, median_ms, print_table, steady_malloc  # noqa: E402
+from _timing import host_split, interleaved, median_ms, print_table, steady_malloc  # noqa: E402
 
 import functional_dtensor as fd  # noqa: E402
 
@@ -104,42 +104,6 @@ def torch_stacked(x, w1, w2):
         return (loss, *torch.autograd.grad(loss, (w1, w2)))
 
     return step
-
-
-def host_split(steps: dict, reps: int) -> dict:
-    """Per step, the medians (us) of its time, of its kernels' (the time ``torch.profiler``
-    finds inside aten ops) and of the rest (the host's work around them: Python, the autograd
-    engine's bookkeeping)."""
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
-
-    for step in steps.values():  # warm
-        step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(reps):
-            for name, step in steps.items():
-                with record_function(f"step: {name}"):
-                    step()
-    samples: dict = {name: [] for name in steps}
-    for event in prof.events():
-        name = event.name.removeprefix("step: ")
-        if event.name.startswith("step: ") and name in samples:
-            samples[name].append((event.cpu_time_total, _in_aten(event)))
-    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    return {
-        name: (median([t for t, _ in got]), median([k for _, k in got]), median([t - k for t, k in got]))
-        for name, got in samples.items()
-    }
-
-
-def _in_aten(event) -> float:
-    """The time (us) spent in aten ops under ``event``: their own time, each counted once."""
-    pending, total = list(event.cpu_children), 0.0
-    while pending:
-        child = pending.pop()
-        total += child.self_cpu_time_total if child.name.startswith("aten::") else 0.0
-        pending.extend(child.cpu_children)
-    return total
 
 
 def print_host_split(reps: int) -> None:

@@ -1,7 +1,7 @@
 """Small training steps on the simulated mesh against the same step on one device: where the
 kernels are tiny and the Python around them is the cost.
 
-    python bench/small_step.py [--quick] [--reps N] [--profile] [--steady-malloc]
+    python bench/small_step.py [--quick] [--reps N] [--profile] [--host] [--steady-malloc]
 
 Two steps, each on ``fd.simulated_mesh((2, 2), ("dp", "tp"))`` in one process, one torch thread,
 beside the same step on one device in plain torch (``torch.optim.AdamW``):
@@ -17,9 +17,11 @@ beside the same step on one device in plain torch (``torch.optim.AdamW``):
 Before timing, each pair's first step is checked: the same loss (and, for the example, gradient
 norm). Printed: CPU-time medians of interleaved repetitions and fd / one device, against the
 targets (mlp <= 1.5, example <= 2). ``--profile`` prints a cProfile of the two fd steps instead
-(functions by own time). ``--steady-malloc`` fixes glibc malloc's thresholds first
-(``_timing.steady_malloc``): with the defaults, the simulated MLP step page-faults several hundred
-times per step (its memory rises and falls past the moving trim threshold), one device's none.
+(functions by own time); ``--host`` splits every step, by ``torch.profiler``, into the time
+inside aten ops and the host's work around them (``_timing.host_split``). ``--steady-malloc``
+fixes glibc malloc's thresholds first (``_timing.steady_malloc``): with the defaults, the
+simulated MLP step page-faults several hundred times per step (its memory rises and falls past
+the moving trim threshold), one device's none.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 from _checks import checked
-from _timing import interleaved, median_ms, print_table, steady_malloc, verdict
+from _timing import host_split, interleaved, median_ms, print_table, steady_malloc, verdict
 from torch import nn
 
 import functional_dtensor as fd
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few repetitions only")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--profile", action="store_true", help="cProfile the fd steps instead")
+    parser.add_argument("--host", action="store_true", help="each step's aten time and host work apart")
     parser.add_argument(
         "--steady-malloc", action="store_true", help="fix glibc malloc's thresholds first (no page faults)"
     )
@@ -125,6 +128,15 @@ def main() -> None:
         return
 
     reps = args.reps or (15 if args.quick else 100)
+    if args.host:
+        reps = min(reps, 40)
+        rows = [[name, *[f"{us:.0f}" for us in split]] for name, split in host_split(steps, reps).items()]
+        print_table(
+            f"Where the steps' time goes (torch.profiler, medians of {reps} interleaved reps, us)",
+            ["step", "whole step", "in aten ops", "host, around them"],
+            rows,
+        )
+        return
     times = interleaved(steps, reps=reps, warmup=3)
     cpu = {name: median_ms(t.cpu) for name, t in times.items()}
     rows = []
