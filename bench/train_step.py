@@ -11,7 +11,9 @@ and an AdamW step (lr 1e-3), on a fixed batch, the parameters carried from step 
 * ``fd``: ``fd.parallelize_module(model, mesh, plan_for(variant))`` with the example's plans
   (``tp``: Megatron tensor parallel over "tp", the batch over "dp", parameters replicated
   over "dp"; ``sp+fsdp``: plus sequence parallelism and the parameters sharded over "dp"),
-  ``fd.Optimizer(torch.optim.AdamW)``, ``fd.clip_grad_norm``, ``torch.autograd.grad``.
+  ``fd.Optimizer(torch.optim.AdamW)``, ``fd.clip_grad_norm``, ``torch.autograd.grad``. Every
+  rank holds the fixed batch and takes its rows (``fd.distribute_tensor(...,
+  src_data_rank=None)``: no broadcast from rank 0), as torch's step slices its rows.
 * ``torch DTensor``: torch's ``parallelize_module`` on ``mesh["tp"]`` with the same styles
   (ColwiseParallel / RowwiseParallel, SequenceParallel and PrepareModuleInput for ``sp``), the
   logits sharded over the vocabulary and the loss under ``loss_parallel()``; then over
@@ -110,8 +112,9 @@ def fd_step(model, mesh, variant, tokens, targets, compiled: bool = False):
 
     def step():
         params = state["params"]
-        tokens_d = fd.distribute_tensor(tokens, mesh, fd.P("dp"))
-        targets_d = fd.distribute_tensor(targets, mesh, fd.P("dp"))
+        # every rank holds the batch and takes its rows, as torch's step does: no broadcast
+        tokens_d = fd.distribute_tensor(tokens, mesh, fd.P("dp"), src_data_rank=None, copy=False)
+        targets_d = fd.distribute_tensor(targets, mesh, fd.P("dp"), src_data_rank=None, copy=False)
         loss = forward(params, tokens_d, targets_d)
         grads = dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
         grads, norm = fd.clip_grad_norm(grads, 1.0)
