@@ -21,7 +21,7 @@ from torch.autograd import forward_ad
 
 from ._functorch import current_level, transforms_active
 
-__all__ = ["apply", "compilable", "Collective", "differentiated"]
+__all__ = ["apply", "compilable", "Collective", "differentiated", "run_collective"]
 
 
 def apply(function: type[torch.autograd.Function], *args):
@@ -59,6 +59,16 @@ def differentiated(x: torch.Tensor) -> bool:
         or forward_ad._current_level >= 0  # dual tensors may be about (torch.func.linearize)
         or torch.compiler.is_compiling()
     )
+
+
+def run_collective(op, x: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """``op`` on ``x`` (``stacked``: in storage form): through :class:`Collective` where
+    autograd, a transform or the compiler may see it; else its kernel directly, as in a
+    backward not differentiated again (a new tensor either way)."""
+    if differentiated(x):
+        return apply(Collective, x, op, stacked)
+    out = op.run(x)
+    return x.view_as(x) if out is x else out
 
 
 @compilable

@@ -84,15 +84,9 @@ _calls: list[_Call] = []  # the calls in progress (shard_map does not nest: at m
 
 
 def apply(op, x: torch.Tensor) -> torch.Tensor:
-    """Run ``op`` on this rank's value: under autograd (or a transform, or the compiler)
-    through :class:`.._autograd.Collective`, else directly (a transpose in backward, or no
-    gradient wanted)."""
+    """Run ``op`` on this rank's value (see :func:`.._autograd.run_collective`)."""
     with torch._C.DisableTorchFunction():
-        if autograd.differentiated(x):
-            out = autograd.apply(autograd.Collective, x, op, False)
-        else:
-            out = op.run(x)
-            out = x.view_as(x) if out is x else out
+        out = autograd.run_collective(op, x, False)
     if _calls:
         _calls[-1].add(out)
     return out

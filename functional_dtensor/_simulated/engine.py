@@ -172,15 +172,10 @@ def _first_copies(mesh, summed: tuple[int, ...], device: str) -> torch.Tensor:
 
 
 def apply_to_storage(op, x: torch.Tensor) -> torch.Tensor:
-    """Run ``op`` on stacked values (outside shard_map, or in a transpose): under autograd (or
-    a transform, or the compiler) through :class:`.._autograd.Collective`, else directly (a
-    transpose in a backward not differentiated again, or no gradient wanted)."""
+    """Run ``op`` on stacked values (outside shard_map, or in a transpose)."""
     if op.native:  # the kernel's own autograd is the transpose
         return op.run(x)
-    if autograd.differentiated(x):
-        return autograd.apply(autograd.Collective, x, op, True)
-    out = op.run(x)
-    return x.view_as(x) if out is x else out
+    return autograd.run_collective(op, x, True)
 
 
 def apply(op, x: torch.Tensor) -> torch.Tensor:
