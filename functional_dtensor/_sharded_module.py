@@ -36,7 +36,7 @@ from ._placements import Partial, Placement, Replicate, Shard
 from ._public import public
 from ._redistribute import gather_varied, held_move, redistribute
 from ._spec import P
-from ._styles import ColwiseParallel, FullyShard, ReplicateParallel, RowwiseParallel
+from ._styles import ColwiseParallel, FullyShard, ReplicateParallel, RowwiseParallel, SequenceParallel
 
 __all__ = ["ShardedModule", "build_sharded_module"]
 
@@ -113,19 +113,24 @@ def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> Sha
                 _entries(entries, 0, unit_axis[unit])
                 managed.setdefault(unit, []).append(name)
         specs[name] = Layout.from_spec(mesh, P(*entries), where=f"{api} (parameter {name!r})")
-    # data-parallel replication: the parameters under a ReplicateParallel, replicated over its
-    # axis, have their gradients summed over it in one all-reduce per step
-    replicated_over: dict[str, list[str]] = {}
+    # gradients summed once per step: the parameters under a ReplicateParallel (torch's
+    # replicate on a data axis) or a SequenceParallel (Megatron's one all-reduce of the
+    # sequence-parallel norms' gradients), replicated over its axis, have their gradients summed
+    # over it in one all-reduce per step, not one per use; one bucket per set of axes
+    summed_over: dict[str, set[str]] = {}
     for mod_name, styles in styles_of.items():
         for style in styles:
-            if isinstance(style, ReplicateParallel) and isinstance(mod_name, str):
-                for name in (n for n in params if n in trainable):  # one order on every rank
+            if isinstance(style, (ReplicateParallel, SequenceParallel)) and isinstance(mod_name, str):
+                index = mesh.axis_names.index(style.axis)
+                for name in (n for n in params if n in trainable):
                     owned = owner[name]
                     inside = mod_name in ("", owned) or owned.startswith(f"{mod_name}.")
-                    index = mesh.axis_names.index(style.axis)
-                    chosen = replicated_over.setdefault(style.axis, [])
-                    if inside and specs[name].placements[index].is_replicate() and name not in chosen:
-                        chosen.append(name)
+                    if inside and specs[name].placements[index].is_replicate():
+                        summed_over.setdefault(name, set()).add(style.axis)
+    summed_once: dict[tuple[str, ...], list[str]] = {}
+    for name in (n for n in params if n in summed_over):  # one order on every rank
+        axes = tuple(a for a in mesh.axis_names if a in summed_over[name])
+        summed_once.setdefault(axes, []).append(name)
 
     values = {}
     backend = backend_of(mesh)
@@ -147,7 +152,7 @@ def build_sharded_module(module, mesh, styles_of, layouts, root_fns, api) -> Sha
     skel_modules = dict(skeleton.named_modules(remove_duplicate=False))
     places = {name: [(skel_modules[m], attr) for m, attr in pairs] for name, pairs in bindings.items()}
     _install_hooks(skeleton, mesh, styles_of, managed, places, root_fns)
-    apply = _Apply(skeleton, mesh, places, set(sharded_params), buffers, replicated_over)
+    apply = _Apply(skeleton, mesh, places, set(sharded_params), buffers, summed_once)
     return ShardedModule(sharded_params, apply)
 
 
@@ -454,10 +459,10 @@ class _Apply:
     """``apply(params, *args, **kwargs)``: the module's forward with ``params`` (and the
     module's buffers, replicated) in place of its tensors, for the call only."""
 
-    def __init__(self, skeleton, mesh, places, names, buffers, replicated_over) -> None:
+    def __init__(self, skeleton, mesh, places, names, buffers, summed_once) -> None:
         self._skeleton = skeleton
         self._mesh = mesh
-        self._replicated_over = replicated_over
+        self._summed_once = summed_once
         self._places = places
         self._names = frozenset(names)
         self._buffers = buffers
@@ -523,8 +528,8 @@ class _Apply:
     def _forward(self, params, args, kwargs):
         with varied.scope(), implicit_replication():
             params = dict(params)
-            for axis, names in self._replicated_over.items():
-                values = varied.vary_all([params[n] for n in names], self._mesh, (axis,))
+            for axes, names in self._summed_once.items():
+                values = varied.vary_all([params[n] for n in names], self._mesh, axes)
                 params.update(zip(names, values))
             for source in (params, self._buffers):
                 for name, value in source.items():

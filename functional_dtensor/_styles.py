@@ -153,7 +153,10 @@ class RowwiseParallel(Style):
 class SequenceParallel(Style):
     """Run a module whose computation is independent along the sequence (``LayerNorm``,
     ``RMSNorm``, dropout) on a sequence sharded over ``axis``: parameters replicated, the
-    input made ``Shard(sequence_dim)``, the output left so."""
+    input made ``Shard(sequence_dim)``, the output left so. Each device's gradient of a
+    parameter is its part of the sequence's: the parts of every such parameter in the module
+    (and in the other ``SequenceParallel`` modules of the plan) are summed over ``axis`` in one
+    all-reduce per step, as Megatron sums its sequence-parallel norms' gradients."""
 
     axis: str = "tp"
     sequence_dim: int = 1

@@ -1,13 +1,16 @@
-"""Values whose gradients are summed later: data-parallel parameters during a sharded forward.
+"""Values whose gradients are summed later: data-parallel and sequence-parallel parameters
+during a sharded forward.
 
 A global op on a value replicated over a mesh axis where its output is not (a weight times a
-batch split over ``dp``) inserts ``pvary`` there, whose transpose sums the devices' gradients:
-one all-reduce per use. Data parallelism sums them once instead. While a sharded module's
-forward runs (:func:`scope`), a parameter replicated over a data axis is **varied** over it: it
-holds the same value on every device, but its gradient is each device's own part, and a
-single backward step sums them, for all the parameters at once (:func:`vary_all`: one
-all-reduce) or into a fully-sharded parameter's shards (a reduce-scatter). The marks are kept
-here by storage, for the call only; the global ops read them:
+batch split over ``dp``, a norm's weight on a sequence split over ``tp``) inserts ``pvary``
+there, whose transpose sums the devices' gradients: one all-reduce per use. Data parallelism
+and sequence parallelism sum them once instead. While a sharded module's forward runs
+(:func:`scope`), a parameter replicated over a data axis (or under ``SequenceParallel``, over
+its axis) is **varied** over it: it holds the same value on every device, but its gradient is
+each device's own part, and a single backward step sums them, for all the parameters at once
+(:func:`vary_all`: one all-reduce) or into a fully-sharded parameter's shards (a
+reduce-scatter). The marks are kept here by storage, for the call only; the global ops read
+them:
 
 - an input varied over an axis gets no ``pvary`` there;
 - an op whose output is replicated over an axis that an input is varied over makes its output

@@ -727,3 +727,64 @@ def _job_second_order(mesh, plan):
         one_device(*in_float64((model, x))),
         one_device(model, x),
     )
+
+
+class _SequenceNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.LayerNorm(6)
+        self.mix = nn.Linear(6, 6)
+        self.last = nn.LayerNorm(6)
+
+    def forward(self, x):  # x: (batch, sequence, 6)
+        return torch.tanh(self.last(self.mix(self.first(x))))
+
+
+@pytest.mark.meshes((2, 2))
+@pytest.mark.parametrize("data", ["replicate", "fully_shard"])
+def test_sequence_parallel_gradients_are_summed_once(backend, mesh, data):
+    """Parameters under ``SequenceParallel`` meet a sequence split over "tp": their gradients,
+    each device's part, are summed over "tp" in one all-reduce per step for all of them
+    (Megatron's), with a data axis's sum in the same one where it is replicated (with
+    ``FullyShard`` the reduce-scatter over "dp" comes first); gradients and second derivatives
+    equal one device's."""
+    backend.run(_job_sequence_norms, (2, 2), ("dp", "tp"), data)
+
+
+def _job_sequence_norms(mesh, data):
+    torch.manual_seed(0)
+    model = _SequenceNorms()
+    unit = fd.ReplicateParallel("dp") if data == "replicate" else fd.FullyShard("dp")
+    plan = {
+        "": unit,
+        "first": fd.SequenceParallel(),
+        "mix": fd.SequenceParallel(),
+        "last": fd.SequenceParallel(),
+    }
+    sharded = fd.parallelize_module(model, mesh, plan)
+    x = torch.randn(4, 8, 6)
+    params = sharded.params
+    with fd.CommDebugMode() as comm:
+        y = sharded.apply(params, fd.distribute_tensor(x, mesh, fd.P("dp")))
+        loss = (y * y).sum()
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()), create_graph=True)))
+    summed = [e for e in comm.events if e.op == "all_reduce" and e.phase == "backward"]
+    want_axes = ("dp", "tp") if data == "replicate" else ("tp",)
+    assert [e.axes for e in summed] == [want_axes], comm.events  # the six gradients at once
+    if data == "fully_shard":
+        assert [e.op for e in comm.events if e.axes == ("dp",) and e.phase == "backward"] == [
+            "reduce_scatter"
+        ]
+    got = {"grads": {n: g.full_tensor() for n, g in grads.items()}}
+    (got["second"],) = torch.autograd.grad((grads["first.weight"] ** 2).sum(), [params["mix.weight"]])
+    got["second"] = got["second"].full_tensor()
+
+    def one_device(model, x):
+        leaves = dict(model.named_parameters())
+        y = model(x)
+        grads = torch.autograd.grad((y * y).sum(), list(leaves.values()), create_graph=True)
+        grads = dict(zip(leaves, grads, strict=True))
+        (second,) = torch.autograd.grad((grads["first.weight"] ** 2).sum(), [leaves["mix.weight"]])
+        return {"grads": grads, "second": second}
+
+    assert_close(got, one_device(*in_float64((model, x))), one_device(model, x))
