@@ -445,7 +445,7 @@ def clip_grad_norm(grads, max_norm: float, norm_type: float = 2.0):
     global ``norm_type``-norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``),
     and that norm, a replicated scalar, both not differentiated (as torch's). Each device's
     shards are reduced by plain torch ops on the storage; the devices' parts are summed by one
-    all-reduce per set of mesh axes the gradients are split over."""
+    all-reduce over the mesh axes the gradients are split over."""
     where = "fd.clip_grad_norm"
     leaves, spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=NAMESPACE)
     present = [g for g in leaves if g is not None]
@@ -526,8 +526,8 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
     gradient: a block replicated over an axis read once; small gradients split over the same
     axes side by side, one kernel for all of them); per set of mesh axes the gradients
     are split over, the norm of their blocks' norms on each device, to the power ``p`` (or their
-    maximum), a Partial value over those axes; each such value all-reduced. As torch's
-    ``clip_grad_norm_``, the norm of the norms. A Partial gradient is reduced first."""
+    maximum), a Partial value over those axes; their sum (or maximum) all-reduced at once. As
+    torch's ``clip_grad_norm_``, the norm of the norms. A Partial gradient is reduced first."""
     infinite = math.isinf(norm_type)
     mesh = grads[0].device_mesh
     backend = backend_of(mesh)
@@ -553,13 +553,19 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
     for (split, _), flats in small.items():  # (one kernel for them all: the norm of their norms)
         flat = flats[0] if len(flats) == 1 else torch.cat(flats, -1)
         norms.setdefault(split, []).append(_row_norms(flat, norm_type))
-    replicated = (Replicate(),) * mesh.ndim
+    # the parts of every set of split axes as parts over all of them (a part replicated over an
+    # axis is Partial there too: held by the devices at its coordinate 0, or the same on each
+    # for a maximum), combined on each device: one all-reduce for the whole norm
+    union = tuple([name for name in mesh.axis_names if any([name in split for split in norms])])
     total = None
     for split, group in norms.items():
         stacked = torch.stack(group)
         part = stacked.amax(0) if infinite else torch.linalg.vector_norm(stacked, norm_type, 0) ** norm_type
-        value = redistribute(new_value(part, _summed_over(mesh, split, infinite), torch.Size(())), replicated)
+        value = new_value(part, _summed_over(mesh, split, infinite), torch.Size(()))
+        if split and split != union:
+            value = redistribute(value, _summed_over(mesh, union, infinite))
         total = value if total is None else torch.maximum(total, value) if infinite else total + value
+    total = redistribute(total, (Replicate(),) * mesh.ndim)
     return total if infinite else total ** (1.0 / norm_type)
 
 
