@@ -29,6 +29,7 @@ all-reduce per set of mesh axes the gradients are split over, not per parameter)
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from typing import Any
 
@@ -555,17 +556,24 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
         norms.setdefault(split, []).append(_row_norms(flat, norm_type))
     # the parts of every set of split axes as parts over all of them (a part replicated over an
     # axis is Partial there too: held by the devices at its coordinate 0, or the same on each
-    # for a maximum), combined on each device: one all-reduce for the whole norm
+    # for a maximum), combined on each device: one all-reduce for the whole norm; the norm of
+    # gradients replicated everywhere joins after it (a replicated value meeting a Partial one
+    # would be made Partial first)
     union = tuple([name for name in mesh.axis_names if any([name in split for split in norms])])
+    replicated = (Replicate(),) * mesh.ndim
+    combine = torch.maximum if infinite else operator.add
     total = None
-    for split, group in norms.items():
-        stacked = torch.stack(group)
+    for split in sorted(norms, key=lambda split: not split):  # the replicated ones last
+        stacked = torch.stack(norms[split])
         part = stacked.amax(0) if infinite else torch.linalg.vector_norm(stacked, norm_type, 0) ** norm_type
         value = new_value(part, _summed_over(mesh, split, infinite), torch.Size(()))
-        if split and split != union:
+        if not split:
+            total = value if total is None else combine(redistribute(total, replicated), value)
+            continue
+        if split != union:
             value = redistribute(value, _summed_over(mesh, union, infinite))
-        total = value if total is None else torch.maximum(total, value) if infinite else total + value
-    total = redistribute(total, (Replicate(),) * mesh.ndim)
+        total = value if total is None else combine(total, value)
+    total = redistribute(total, replicated)
     return total if infinite else total ** (1.0 / norm_type)
 
 
