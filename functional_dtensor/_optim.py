@@ -13,7 +13,7 @@ It is a ``torch.optim.Optimizer`` whose ``param_groups`` are those of the optimi
 ``step()`` sets ``param_groups[i]["lr"]``, which the next ``step(params, grads)`` uses.
 
 :func:`clip_grad_norm` scales gradients by their global norm (a reduction across shards: one
-all-reduce per set of mesh axes the gradients are split over, not per parameter).
+all-reduce over the mesh axes the gradients are split over, not one per parameter).
 
 >>> import torch, functional_dtensor as fd
 >>> mesh = fd.simulated_mesh(2, "x")
