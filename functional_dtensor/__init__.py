@@ -7,6 +7,7 @@ same program runs on the simulated backend (every device in one process) and on
 """
 
 from . import checkpoint, random
+from ._clip import clip_grad_norm
 from ._collectives import (
     all_gather,
     all_to_all,
@@ -49,7 +50,7 @@ from ._layout import Layout
 from ._local_map import local_map
 from ._log import set_logs
 from ._mesh import DeviceMesh, simulated_mesh
-from ._optim import Optimizer, clip_grad_norm
+from ._optim import Optimizer
 from ._parallelize import (
     ColwiseParallel,
     FullyShard,

@@ -58,6 +58,7 @@ FLOORS = {
         "_sharded_module",
         "_parallelize",
         "_optim",
+        "_clip",
         "_ring_attention",
     ],
     "tools": [

@@ -434,14 +434,14 @@ def _clip_case(dtype):
 def _job_clip(mesh, norm_type: float, dtype, distinct_from: int | None = None) -> dict:
     """``distinct_from``: the gradients' size from which their norms read distinct blocks alone
     (None: the library's; 0: every gradient's), for this job only."""
-    from functional_dtensor import _optim
+    from functional_dtensor import _clip
 
-    saved = _optim._DISTINCT_FROM
-    _optim._DISTINCT_FROM = saved if distinct_from is None else distinct_from
+    saved = _clip._DISTINCT_FROM
+    _clip._DISTINCT_FROM = saved if distinct_from is None else distinct_from
     try:
         return _clipped(mesh, norm_type, dtype)
     finally:
-        _optim._DISTINCT_FROM = saved
+        _clip._DISTINCT_FROM = saved
 
 
 def _clipped(mesh, norm_type: float, dtype) -> dict:
