@@ -11,6 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 from backends import Mesh
+from common import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -108,6 +109,44 @@ def test_distribute_tensor_on_ranks_counts_its_broadcasts(backend, mesh):
         else:
             broadcasts = [("broadcast", (axis,), 2, 96, Fraction(96)) for axis in ("x", "y")]
             assert got == {"events": broadcasts, "wire": Fraction(192), "table": True}
+
+
+def partial_loss_job(mesh) -> dict:
+    """Gradients of a loss that is a Partial sum over both axes, by ``torch.autograd.grad`` (of
+    the laid-out weight) and by ``.backward()`` (into the plain tensor laid out): the
+    collectives each runs, and the gradients."""
+    x = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(4, 6)
+    found = {}
+    for how in ("grad", "backward"):
+        w = torch.linspace(0.5, 2, 6, dtype=torch.float64).requires_grad_()
+        w_d = fd.distribute_tensor(w, mesh, fd.P("y"))
+        loss = (fd.distribute_tensor(x, mesh, fd.P("x", "y")) * w_d).sum()
+        with fd.CommDebugMode() as comm:
+            if how == "grad":
+                (g,) = torch.autograd.grad(loss, [w_d])
+            else:
+                loss.backward()
+                g = w.grad
+        events = [(e.op, e.axes, e.phase) for e in comm.events]
+        found[how] = {"events": events, "grad": g.full_tensor() if how == "grad" else g}
+    found["placements"] = loss.placements
+    return found
+
+
+@pytest.mark.meshes(Mesh((2, 2), ("x", "y")))
+def test_a_backward_from_a_partial_loss_gathers_nothing(backend, mesh):
+    """Autograd starts from a one-element value's storage with the storage of a global 1 as its
+    cotangent: a Partial loss's value is not gathered (an all-reduce per axis on ranks) for
+    ``torch.autograd.grad`` or ``.backward()``; every collective is the backward's (the
+    weight's gradient summed over the rows' axis, and its global value assembled for the plain
+    tensor). The gradients are one device's."""
+    x = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(4, 6)
+    for got in backend.run(partial_loss_job, mesh.shape, mesh.names, timeout=120):
+        assert got["placements"] == (fd.Partial(), fd.Partial())
+        assert got["grad"]["events"] == [("all_reduce", ("x",), "backward")]
+        for how in ("grad", "backward"):
+            assert all([phase == "backward" for *_, phase in got[how]["events"]]), got[how]["events"]
+            assert_close(got[how]["grad"], x.sum(0), msg=lambda m, how=how: f"{how}: {m}")
 
 
 # --- module paths, phases -----------------------------------------------------------------------

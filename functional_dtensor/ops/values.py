@@ -5,15 +5,18 @@
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
 
 from .. import random as fd_random
+from .._backend import backend_of
 from .._cache import cached
 from .._dtensor import DTensor, data_of, global_value, held_of, new_held, storage_of, without_partial
 from .._errors import InputTypeError, ShapeError, explain
 from .._factories import empty, full, ones, zeros
+from .._functorch import is_transformed
 from .._op_decisions import Handler, register
 from .common import no_params
 
@@ -121,14 +124,52 @@ def _autograd_grad(func, args, kwargs, ctx):
         grad_outputs = list(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else [grad_outputs]
         # (copies: autograd may keep a gradient it is given as .grad and accumulate into it)
         grad_outputs = [g.full_tensor() if type(g) is DTensor else g for g in grad_outputs]
+    roots, cotangents = _roots(outputs, grad_outputs)
     arguments.update(
-        outputs=[global_value(o) if type(o) is DTensor else o for o in outputs],
+        outputs=roots,
         inputs=[data_of(i) if type(i) is DTensor else i for i in inputs],
-        grad_outputs=grad_outputs,
+        grad_outputs=cotangents,
     )
     grads = func(**arguments)
     return tuple(
         gradient_value(g, i) if type(i) is DTensor and g is not None else g for g, i in zip(grads, inputs)
+    )
+
+
+def _roots(outputs: list, gradients: list | None) -> tuple[list, list | None]:
+    """Where autograd starts for ``outputs`` and their ``gradients`` (global tensors, or None:
+    the implicit 1 of a one-element output): an ``fd.DTensor`` output with the implicit 1 starts
+    from its storage, with the storage of a global 1 as its cotangent (what the gather of its
+    value would send back), so that its value is not gathered (a Partial loss's gather is an
+    all-reduce per axis); any other output from its global value."""
+    gradients = [None] * len(outputs) if gradients is None else gradients
+    roots, cotangents = [], []
+    for output, gradient in zip(outputs, gradients):
+        if type(output) is not DTensor:
+            roots.append(output)
+            cotangents.append(gradient)
+            continue
+        storage = storage_of(output)
+        if gradient is None and _one_real_element(output, storage):
+            layout = without_partial(output.sharding)
+            one = storage.new_ones(tuple(output.shape))
+            roots.append(storage)
+            cotangents.append(backend_of(output.device_mesh).distribute(one, layout))
+        else:
+            roots.append(global_value(output))
+            cotangents.append(gradient)
+    return roots, None if all([c is None for c in cotangents]) else cotangents
+
+
+def _one_real_element(output: DTensor, storage: torch.Tensor) -> bool:
+    """Whether autograd would start ``output`` (of ``storage``) from an implicit 1: one element of
+    a floating dtype (torch refuses the others itself, from the global value), outside a
+    transform's wrapper or a trace."""
+    return (
+        math.prod(output.shape) == 1
+        and output.dtype.is_floating_point
+        and not torch.compiler.is_compiling()
+        and not is_transformed(storage)
     )
 
 
@@ -167,9 +208,10 @@ def run_backward(where: str, outputs: list, gradients, retain_graph, create_grap
                     )
                 )
         gradients = [g.full_tensor() if isinstance(g, DTensor) else g for g in gradients]
+    roots, cotangents = _roots(outputs, gradients)
     torch.autograd.backward(
-        [global_value(o) if isinstance(o, DTensor) else o for o in outputs],
-        gradients,
+        roots,
+        cotangents,
         retain_graph=retain_graph,
         create_graph=create_graph,
         inputs=None if inputs is None else [data_of(v) if isinstance(v, DTensor) else v for v in inputs],
