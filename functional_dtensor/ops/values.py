@@ -99,9 +99,9 @@ def _arguments(func, args, kwargs) -> dict:
 
 
 def _autograd_grad(func, args, kwargs, ctx):
-    """``torch.autograd.grad`` where outputs or inputs are ``fd.DTensor``: from the outputs'
-    global values to the inputs' storages; each gradient laid out like its input (Partial axes
-    as Replicate), as :attr:`fd.DTensor.grad`."""
+    """``torch.autograd.grad`` where outputs or inputs are ``fd.DTensor``: from the outputs
+    (see :func:`_roots`) to the inputs' storages; each gradient laid out like its input (Partial
+    axes as Replicate), as :attr:`fd.DTensor.grad`."""
     arguments = _arguments(func, args, kwargs)
     outputs, inputs = arguments["outputs"], arguments["inputs"]
     single = not isinstance(inputs, (tuple, list))
@@ -188,7 +188,7 @@ register([torch.autograd.grad], Handler(None, no_params, _autograd_grad, "autogr
 
 
 def run_backward(where: str, outputs: list, gradients, retain_graph, create_graph, inputs) -> None:
-    """``torch.autograd.backward`` from the global values of ``outputs`` with the global values
+    """``torch.autograd.backward`` from ``outputs`` (see :func:`_roots`) with the global values
     of ``gradients`` (each of its output's shape, in any layout), accumulating into the storages
     of ``inputs``: each ``.grad`` laid out like its value (:attr:`fd.DTensor.grad`). ``where``
     names a gradient in errors (``{i}``: its index)."""
@@ -220,7 +220,7 @@ def run_backward(where: str, outputs: list, gradients, retain_graph, create_grap
 
 def _autograd_backward(func, args, kwargs, ctx):
     """``torch.autograd.backward`` where outputs or inputs are ``fd.DTensor`` (torch's function
-    protocol brings it here): from the outputs' global values, as :func:`_backward`."""
+    protocol brings it here): as :func:`run_backward`."""
     arguments = _arguments(func, args, kwargs)
     tensors, grads = arguments["tensors"], arguments.get("grad_tensors")
     if grads is None:
