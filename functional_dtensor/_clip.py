@@ -146,8 +146,8 @@ def _total_norm(grads: list[DTensor], norm_type: float) -> DTensor:
         flat = flats[0] if len(flats) == 1 else torch.cat(flats, -1)
         norms.setdefault(split, []).append(_row_norms(flat, norm_type))
     # the parts of every set of split axes as parts over all of them (a part replicated over an
-    # axis is Partial there too: held by the devices at its coordinate 0, or the same on each
-    # for a maximum), combined on each device: one all-reduce for the whole norm; the norm of
+    # axis is Partial there too: divided evenly among its devices by the redistribute, or the
+    # same on each for a maximum), combined on each device: one all-reduce for the whole norm; the norm of
     # gradients replicated everywhere joins after it (a replicated value meeting a Partial one
     # would be made Partial first)
     union = tuple([name for name in mesh.axis_names if any([name in split for split in norms])])
