@@ -32,7 +32,7 @@ from ._autograd import differentiated
 from ._backend import backend_of
 from ._context import Frame, frame_for
 from ._errors import InputTypeError, ShapeError, explain
-from ._varying import axes_varying, tag
+from ._varying import tag, varying_in
 
 __all__ = [
     "psum",
@@ -130,10 +130,14 @@ def _call(x, axis_name, where: str, make_op) -> torch.Tensor:
             )
         )
     op = make_op(frame, axes)
-    if frame.check_rep and op.needs_varying and not set(axes) <= axes_varying(x):
-        x = vary(x, frame, tuple(a for a in axes if a not in axes_varying(x)))
+    if frame.check_rep and op.needs_varying:
+        varying = varying_in(frame, x)
+        if not set(axes) <= varying:
+            x = vary(x, frame, tuple(a for a in axes if a not in varying))
     out = frame.backend.apply(op, x)
-    return tag(out, op.varying(axes_varying(x)) if frame.check_rep else None)
+    if not frame.check_rep or frame.batching_varies:  # (no record kept)
+        return out
+    return tag(out, op.varying(varying_in(frame, x)))
 
 
 # --- pvary: a replicated value seen as varying ----------------------------------------------
@@ -155,7 +159,9 @@ class Pvary(_Op):
         return axes | set(self.axes)
 
     def on_unbatched(self, x):
-        everything = axes_varying(x) | set(self.axes) == set(self.frame.mesh.axis_names)
+        if self.frame.batching_varies:  # varying is batched there: per-device copies
+            return None
+        everything = varying_in(self.frame, x) | set(self.axes) == set(self.frame.mesh.axis_names)
         return VaryHeldOnce(self.frame, self.axes) if everything else None
 
 
@@ -190,7 +196,9 @@ def pvary(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 def vary(x: torch.Tensor, frame: Frame, axes: tuple[str, ...]) -> torch.Tensor:
     """:func:`pvary` in a known frame, over checked axes (as the tracker inserts it)."""
     out = _apply(x, Pvary(frame, axes))
-    return tag(out, (axes_varying(x) | set(axes)) if frame.check_rep else None)
+    if not frame.check_rep or frame.batching_varies:  # (no record kept)
+        return out
+    return tag(out, varying_in(frame, x) | set(axes))
 
 
 # --- psum, pmean, pmax, pmin ------------------------------------------------------------------
@@ -582,7 +590,7 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     0-d int64 tensor that varies over those axes."""
     frame, axes = frame_for(axis_name, "fd.axis_index")
     index = frame.backend.axis_index_per_device(frame, axes)
-    return tag(index, frozenset(axes) if frame.check_rep else None)
+    return tag(index, frozenset(axes) if frame.check_rep and not frame.batching_varies else None)
 
 
 def axis_size(axis_name: AxisName) -> int:

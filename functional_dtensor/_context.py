@@ -27,6 +27,9 @@ class Frame:
     backend: Any  # the mesh's backend (see ._backend)
     level: int | None = None  # the functorch level the per-device function runs at
     device_level: int | None = None  # the level of the vmap over the devices, if any
+    #: whether a value varies exactly where the device vmap batches it (no tracker runs; see
+    #: .._varying.varying_in)
+    batching_varies: bool = False
 
 
 class _Frames(threading.local):

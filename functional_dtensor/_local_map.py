@@ -55,11 +55,12 @@ from ._errors import (
     SpecError,
     explain,
 )
+from ._input_guard import check_inputs_not_written
 from ._layout import Layout
 from ._mesh import DeviceMesh
 from ._placements import Placement, Shard
 from ._redistribute import redistribute
-from ._shard_map import NAMESPACE, check_inputs_not_written
+from ._shard_map import NAMESPACE
 from ._sharding import global_shape_of_even_local, shard_table
 from ._spec import P
 

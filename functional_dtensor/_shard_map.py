@@ -27,10 +27,9 @@ from typing import Any, TypeAlias, overload
 import optree
 import torch
 from torch._C import _pop_torch_function_stack, _push_on_torch_function_stack
-from torch.overrides import TorchFunctionMode
 
 from . import _log as log
-from ._backend import backend_of, memory_of
+from ._backend import backend_of, current_level, memory_of
 from ._cache import Bounded, cached
 from ._collectives import Pvary, SplitCotangent, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, frame_stack
@@ -45,15 +44,15 @@ from ._dtensor import (
     parts_of,
     storage_of,
 )
-from ._errors import FunctionalDTensorError, ImmutableError, InputTypeError, MeshError, SpecError, explain
+from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
+from ._input_guard import InputGuard, own_copies, written
 from ._layout import Layout
 from ._mesh import DeviceMesh
-from ._op_args import writes_first, written_tensors
 from ._placements import Shard
 from ._sharding import check_divisible, global_shape_of_even_local
 from ._spec import P
 from ._tracking import ReplicationTracker
-from ._varying import axes_varying, tag
+from ._varying import tag, varying_in
 
 __all__ = ["shard_map", "NAMESPACE", "Specs"]
 
@@ -136,9 +135,21 @@ def _keyword_arguments_error(kwargs: dict) -> InputTypeError:
 
 class _Mapping:
     """One ``shard_map``: the function, its mesh and backend, its specs, and the plans and
-    frames worked out so far (per argument and output structure; per functorch level)."""
+    frames worked out so far (per argument and output structure; per functorch level).
 
-    __slots__ = ("f", "mesh", "backend", "in_specs", "out_specs", "check_rep", "entries", "exits", "frames")
+    ``bare``: whether eager calls run the function with no torch-function mode, no Python
+    between its ops (None: not known before the first call). On a simulated mesh of one axis
+    the device vmap records which values vary, the batched ones, so no tracker is needed. The
+    mode then serves the backend's own batching rules (products, attention: large kernels),
+    and marks where a replicated value meets per-device values: its gradient is the sum of the
+    devices' parts, an all-reduce on ranks that CommDebugMode counts, where the vmap's
+    broadcasting would sum unseen. A first call under the mode notes both; a function that did
+    neither runs bare after, outside torch.func transforms. A function whose ops change from
+    call to call gets the same values and gradients either way."""
+
+    __slots__ = (
+        "f", "mesh", "backend", "in_specs", "out_specs", "check_rep", "entries", "exits", "frames", "bare"
+    )  # fmt: skip
 
     def __init__(self, f, mesh: DeviceMesh, in_specs, out_specs, check_rep: bool) -> None:
         self.f, self.mesh, self.backend = f, mesh, backend_of(mesh)
@@ -146,21 +157,35 @@ class _Mapping:
         self.entries: dict = {}
         self.exits: dict = {}
         self.frames: dict = {}
+        self.bare = None if self.backend.holds_replicas_once and mesh.ndim == 1 else False
 
-    def frame(self, level, device_level, compiling: bool) -> tuple[Frame, object]:
+    def frame(self, level, device_level, compiling: bool, bare: bool) -> tuple[Frame, object]:
         """The frame of a call at these levels, and the torch-function mode it runs under: in
-        eager mode an :class:`_InputGuard` around the tracker's or the backend's, one per
-        thread (it holds the running call's inputs); made afresh while compiling."""
+        eager mode an :class:`.InputGuard` around the tracker's or the backend's, one per
+        thread (it holds the running call's inputs), or none (``bare``); made afresh while
+        compiling."""
         if compiling:
             frame = Frame(self.mesh, self.check_rep, self.backend, level, device_level)
             return frame, ReplicationTracker(frame) if self.check_rep else self.backend.ops_mode(frame)
-        key = (level, device_level, threading.get_ident())
+        key = (level, device_level, None if bare else threading.get_ident())
         found = self.frames.get(key)
         if found is None:
-            frame = Frame(self.mesh, self.check_rep, self.backend, level, device_level)
-            mode = ReplicationTracker(frame) if self.check_rep else self.backend.ops_mode(frame)
-            found = self.frames[key] = (frame, _InputGuard(mode, self.f))
+            if bare:
+                frame = Frame(
+                    self.mesh, self.check_rep, self.backend, level, device_level, batching_varies=True
+                )
+                found = self.frames[key] = (frame, None)
+            else:
+                frame = Frame(self.mesh, self.check_rep, self.backend, level, device_level)
+                mode = ReplicationTracker(frame) if self.check_rep else self.backend.ops_mode(frame)
+                found = self.frames[key] = (frame, InputGuard(mode, self.f))
         return found
+
+    def learn(self, guard: InputGuard) -> None:
+        """After a first call under ``guard``: run bare from now on unless it applied a rule of
+        the backend's or the tracker marked a value whose gradient sums devices' parts."""
+        inner = guard.inner
+        self.bare = not (inner.ruled_seen or getattr(inner, "pvaried_seen", False))
 
 
 def _broadcast(specs, tree, name: str):
@@ -261,8 +286,7 @@ def _log_plan(m: _Mapping, what: str, plan: _Plan) -> None:
 
 
 def _run(m: _Mapping, args):
-    frames = frame_stack()
-    if frames:
+    if frame_stack():
         raise FunctionalDTensorError(
             explain(
                 "fd.shard_map",
@@ -279,25 +303,52 @@ def _run(m: _Mapping, args):
         plan = _planned(m.entries, key, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
         if not compiling and log.shard_map.isEnabledFor(logging.INFO):
             _log_plan(m, "in_specs", plan)
+    if m.bare and not compiling and _may_run_bare():
+        try:
+            out = _call(m, plan, leaves, treedef, False, bare=True)
+        except Exception:  # (run again under the mode, whose error names the cause)
+            out = _AGAIN
+        if out is not _AGAIN:
+            return out
+    return _call(m, plan, leaves, treedef, compiling, bare=False)
+
+
+#: what a bare call returns where it must run again under the mode
+_AGAIN = object()
+
+
+def _may_run_bare() -> bool:
+    """Whether a warm call may run bare: outside torch.func transforms, whose wrapped inputs
+    have no copy-on-write clone."""
+    return current_level() is None
+
+
+def _call(m: _Mapping, plan: _Plan, leaves, treedef, compiling: bool, bare: bool):
+    """One call of ``m``'s function on the flat ``leaves``, bare or under the mode (see
+    :class:`_Mapping`). A bare call runs on the inputs' own copies, and returns :data:`_AGAIN`
+    if the function wrote into one: the mode then refuses the write before it happens."""
+    frames = frame_stack()
     inputs, in_dims, callers = [], [], set()
     for i, value in enumerate(leaves):
         if plan.specs[i] is None:
             inputs.append(value)
             in_dims.append(None)
         else:
-            if not compiling and isinstance(value, torch.Tensor):
+            if not compiling and not bare and isinstance(value, torch.Tensor):
                 callers.add(memory_of(value))  # an output must not share the caller's memory
             value, batched = _enter(m, plan, i, value, compiling)
             inputs.append(value)
             in_dims.append(0 if batched else None)
     callers.discard(0)
+    if bare:  # the function's own copies: an output may be one (copy-on-write)
+        inputs = own_copies(inputs)
     exits: list = []
 
     def per_device(level, device_level, *local_leaves):
-        frame, mode = m.frame(level, device_level, compiling)
+        frame, mode = m.frame(level, device_level, compiling, bare)
         frames.append(frame)  # the axes bound while the function runs
         try:
-            if m.check_rep:  # (plain loops: a comprehension is one more frame per call)
+            if m.check_rep and not bare:  # (plain loops: a comprehension is one more frame per call)
                 tagged = []
                 for v, axes in zip(local_leaves, plan.axes):
                     tagged.append(v if axes is None or not isinstance(v, torch.Tensor) else tag(v, axes))
@@ -316,7 +367,9 @@ def _run(m: _Mapping, args):
                 finally:
                     _pop_torch_function_stack()
                     mode.inputs = mode.paths = ()  # (not held past the call)
-            flat, layouts, tree = _leave(m, outputs, compiling)
+                if m.bare is None:
+                    m.learn(mode)
+            flat, layouts, tree = _leave(m, frame, outputs, compiling)
             left = []
             for v, lay in zip(flat, layouts):
                 left.append(v if lay is None else m.backend.leave(v, lay.is_replicated, frame))
@@ -326,6 +379,8 @@ def _run(m: _Mapping, args):
         return left
 
     results, batched = m.backend.run_per_device(per_device, m.mesh.size, in_dims, inputs)
+    if bare and written(inputs):
+        return _AGAIN
     layouts, tree = exits
     values = []
     for storage, is_batched, layout in zip(results, batched, layouts):
@@ -408,50 +463,6 @@ def _enter(m: _Mapping, plan: _Plan, i: int, value, compiling: bool):
     return storage, True
 
 
-class _InputGuard(TorchFunctionMode):
-    """The torch-function mode of the per-device function's calls on one thread: ``mode``'s
-    (the replication tracker's or the backend's; None: ops run as they are), refusing first
-    every op that would write into one of the running call's inputs (see
-    :func:`check_inputs_not_written`). One mode, not two stacked: every op of the function pays
-    for one dispatch."""
-
-    def __init__(self, mode, f) -> None:
-        self.f, self.inputs, self.paths = f, (), ()  # inputs and paths: the running call's
-        self.inner_function = None if mode is None else mode.__torch_function__
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs or writes_first(func):
-            check_inputs_not_written(func, args, kwargs or {}, self.f, self.inputs, self.paths)
-        if self.inner_function is None:
-            return func(*args, **(kwargs or {}))
-        return self.inner_function(func, types, args, kwargs)
-
-
-def check_inputs_not_written(func, args, kwargs, f, inputs, paths, *, api: str = "fd.shard_map") -> None:
-    """Refuse the torch op ``func(*args, **kwargs)`` of ``f``'s per-device function if it writes
-    in place into one of the function's ``inputs`` or a view of one, before it runs. Inputs are
-    values (JAX semantics): their memory is the caller's tensor or ``fd.DTensor`` on the
-    distributed backend, and every device's block at once on the simulated one."""
-    written = written_tensors(func, args, kwargs)
-    if not written:
-        return
-    memory = {memory_of(t) for t in written} - {0}
-    for value, path in zip(inputs, paths):
-        if isinstance(value, torch.Tensor) and memory_of(value) in memory:
-            name = getattr(func, "__name__", str(func))
-            out_of_place = name[:-1] if name.endswith("_") and not name.endswith("__") else None
-            raise ImmutableError(
-                explain(
-                    f"{api}({getattr(f, '__qualname__', 'f')})({path})",
-                    f"the per-device function writes into its input in place ({name})",
-                    expected="inputs used as values, computed on out of place",
-                    got=f"{name} on the input or a view of it",
-                    fix=(f"write x = x.{out_of_place}(...)" if out_of_place else "compute a new tensor")
-                    + ", or clone the input first (x = x.clone()) to own a copy",
-                )
-            )
-
-
 def _layout(mesh: DeviceMesh, spec: P, value_ndim: int, where: str) -> Layout:
     if len(spec) > value_ndim:
         raise SpecError(
@@ -505,7 +516,7 @@ def _replicated(value: torch.Tensor, mesh: DeviceMesh, check_rep: bool) -> torch
     return on_storage(value, mesh, VaryHeldOnce, mesh.axis_names)
 
 
-def _leave(m: _Mapping, outputs, compiling: bool):
+def _leave(m: _Mapping, frame: Frame, outputs, compiling: bool):
     """The outputs of the per-device function, checked against ``out_specs``: flat, with
     their layouts (None where passed through) and their structure."""
     leaves, tree, key = _flattened(outputs, compiling)
@@ -547,16 +558,16 @@ def _leave(m: _Mapping, outputs, compiling: bool):
         if layout is None:
             layout = plan.layouts[i][value.dim()] = _layout(m.mesh, spec, value.dim(), where)
         if m.check_rep:
-            value = _checked_replication(m.mesh, value, spec, plan.axes[i], where)
+            value = _checked_replication(frame, value, spec, plan.axes[i], where)
         flat.append(value)
         layouts.append(layout)
     return flat, layouts, tree
 
 
-def _checked_replication(mesh: DeviceMesh, value: torch.Tensor, spec: P, allowed, where: str) -> torch.Tensor:
+def _checked_replication(frame: Frame, value: torch.Tensor, spec: P, allowed, where: str) -> torch.Tensor:
     """``value``, refused if it may vary over axes its spec says it is replicated over, and
     made to vary over the axes the spec names that it does not vary over yet."""
-    varying = axes_varying(value)
+    mesh, varying = frame.mesh, varying_in(frame, value)
     if varying == allowed:  # (the usual case: no set to build)
         return value
     extra = varying - allowed

@@ -67,6 +67,9 @@ class ReplicationTracker(TorchFunctionMode):
         self.all_axes = frozenset(frame.mesh.axis_names)
         self.level = frame.level  # the functorch level the per-device function runs at
         self.run_op, self.ruled_ops = frame.backend.run_op, frame.backend.ruled_ops
+        # (for shard_map's bare calls) whether an op of ruled_ops ran, and whether a value was
+        # passed through pvary where it met values varying over more axes
+        self.ruled_seen = self.pvaried_seen = False
         # (made while compiling, it runs only there: levels count the layers there)
         self.level_now = current_level if torch.compiler.is_compiling() else current_level_eager
 
@@ -97,7 +100,10 @@ class ReplicationTracker(TorchFunctionMode):
         elif mixed:
             args, kwargs = self._pvary_inputs(func, args, kwargs, varying)
         lift = len(tensors) > 1 and varying != self.all_axes
-        if lift or func in self.ruled_ops:
+        ruled = func in self.ruled_ops
+        if ruled:
+            self.ruled_seen = True
+        if lift or ruled:
             out = self.run_op(self.frame, func, args, kwargs, lift)
         else:  # (most ops: as they are)
             out = func(*args, **kwargs)
@@ -113,6 +119,9 @@ class ReplicationTracker(TorchFunctionMode):
     def _pvary_inputs(self, func, args, kwargs, varying):
         def lift(value):
             missing = varying - axes_varying(value)
-            return vary(value, self.frame, tuple(sorted(missing))) if missing else value
+            if not missing:
+                return value
+            self.pvaried_seen = True
+            return vary(value, self.frame, tuple(sorted(missing)))
 
         return replace_inputs(func, args, kwargs, lift)

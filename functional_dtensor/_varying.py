@@ -3,13 +3,20 @@
 Inside a ``shard_map`` with ``check_rep`` every local tensor carries the set of mesh axes along
 which devices may hold different values; a tensor without the record is the same on every device
 (a constant, a captured value). Collectives and the tracker in :mod:`._tracking` set it.
+
+On a simulated mesh of one axis the device vmap keeps this record itself: a value batched over
+the devices varies over the axis, an unbatched one is the same on every device (held once).
+A function run there without the tracker (``Frame.batching_varies``) is read by
+:func:`varying_in`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["axes_varying", "tag"]
+from ._functorch import batched_at
+
+__all__ = ["axes_varying", "tag", "varying_in"]
 
 _ATTRIBUTE = "_fd_varying"
 _NONE: frozenset[str] = frozenset()
@@ -17,6 +24,14 @@ _NONE: frozenset[str] = frozenset()
 
 def axes_varying(x: torch.Tensor) -> frozenset[str]:
     return getattr(x, _ATTRIBUTE, _NONE)
+
+
+def varying_in(frame, x: torch.Tensor) -> frozenset[str]:
+    """The axes ``x`` varies over in ``frame``'s per-device function (a collective's input, an
+    output): its record, or where no tracker runs, whether the device vmap batches it."""
+    if frame.batching_varies:
+        return frozenset(frame.mesh.axis_names) if batched_at(x, frame.device_level) else _NONE
+    return axes_varying(x)
 
 
 def tag(x: torch.Tensor, axes: frozenset[str] | None) -> torch.Tensor:

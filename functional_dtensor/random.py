@@ -38,7 +38,7 @@ from ._factories import check_dtype, global_shape, on_meta
 from ._layout import Layout, PlacementsOrSpec
 from ._mesh import DeviceMesh
 from ._random_draws import Draw, draw_local, draw_sharded
-from ._varying import axes_varying
+from ._varying import varying_in
 
 __all__ = [
     "key",
@@ -419,7 +419,7 @@ def dropout(key: torch.Tensor, x, p: float = 0.5):
         )
     frame = current_frame()
     if frame is not None:
-        varying = axes_varying(x) if frame.check_rep else frozenset(frame.mesh.axis_names)
+        varying = varying_in(frame, x) if frame.check_rep else frozenset(frame.mesh.axis_names)
         axes = tuple(a for a in frame.mesh.axis_names if a in varying)
         if axes:
             key = fold_in(key, axis_index(axes))

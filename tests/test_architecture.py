@@ -41,6 +41,7 @@ FLOORS = {
     ],
     "transformations": [
         "_tracking",
+        "_input_guard",
         "_varied",
         "_shard_map",
         "_redistribute",

@@ -152,28 +152,33 @@ def _write(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def job_in_place_on_inputs(mesh, check_rep: bool) -> list[dict]:
-    """Every write, into a tensor argument and into a DTensor argument, sharded and replicated;
-    whether it raised ``ImmutableError`` and what the caller holds afterwards."""
+    """Every write, into a tensor argument and into a DTensor argument, sharded and replicated,
+    on a first call and on a warm one (after a call that wrote nothing: on a simulated mesh of
+    one axis it runs bare, see ``shard_map``); whether it raised ``ImmutableError`` and what
+    the caller holds afterwards."""
     out = []
     for name in WRITES:
         for spec in (fd.P("x"), fd.P()):
             for as_dtensor in (False, True):
-                tensor = original((2 * mesh.size, 3))
-                argument = fd.distribute_tensor(tensor, mesh, spec) if as_dtensor else tensor
-                f = fd.shard_map(
-                    lambda x, name=name: _write(name, x),
-                    mesh=mesh,
-                    in_specs=spec,
-                    out_specs=spec,
-                    check_rep=check_rep,
-                )
-                try:
-                    f(argument)
-                    error = None
-                except fd.ImmutableError as e:
-                    error = str(e)
-                held = argument.full_tensor() if as_dtensor else tensor
-                out.append({"case": (name, str(spec), as_dtensor), "error": error, "held": held})
+                for warm in (False, True):
+                    tensor = original((2 * mesh.size, 3))
+                    argument = fd.distribute_tensor(tensor, mesh, spec) if as_dtensor else tensor
+                    f = fd.shard_map(
+                        lambda x, write, name=name: _write(name, x) if write else x * 1,
+                        mesh=mesh,
+                        in_specs=(spec, None),
+                        out_specs=spec,
+                        check_rep=check_rep,
+                    )
+                    if warm:
+                        f(argument, False)
+                    try:
+                        f(argument, True)
+                        error = None
+                    except fd.ImmutableError as e:
+                        error = str(e)
+                    held = argument.full_tensor() if as_dtensor else tensor
+                    out.append({"case": (name, str(spec), as_dtensor, warm), "error": error, "held": held})
     return out
 
 
@@ -213,7 +218,7 @@ def test_in_place_ops_on_the_functions_own_values_run(backend, mesh, check_rep):
 
 def job_outputs_returned_inputs(mesh, check_rep: bool) -> list[torch.Tensor]:
     """A function that returns its tensor inputs (and views of them) as they are; then the
-    caller changes its tensors in place."""
+    caller changes its tensors in place. The outputs of a first call and of a warm one."""
 
     def f(rows, whole):
         return rows, whole, rows[:, :1], whole.view(-1)
@@ -221,7 +226,7 @@ def job_outputs_returned_inputs(mesh, check_rep: bool) -> list[torch.Tensor]:
     specs = (fd.P("x"), fd.P())
     f = fd.shard_map(f, mesh=mesh, in_specs=specs, out_specs=(*specs, fd.P("x"), fd.P()), check_rep=check_rep)
     rows, whole = original((2 * mesh.size, 3)), original((2, 2))
-    outputs = f(rows, whole)
+    outputs = [*f(rows, whole), *f(rows, whole)]
     rows.add_(100)
     whole.add_(100)
     return [y.full_tensor() for y in outputs]
@@ -232,8 +237,9 @@ def job_outputs_returned_inputs(mesh, check_rep: bool) -> list[torch.Tensor]:
 def test_outputs_share_no_memory_with_the_callers_tensors(backend, mesh, check_rep):
     rows, whole = original((2 * mesh.size, 3)), original((2, 2))
     for got in backend.run(job_outputs_returned_inputs, mesh.shape, mesh.names, check_rep):
-        assert torch.equal(got[0], rows) and torch.equal(got[1], whole)
-        assert torch.equal(got[2], rows[:, :1]) and torch.equal(got[3], whole.view(-1))
+        for call in (got[:4], got[4:]):
+            assert torch.equal(call[0], rows) and torch.equal(call[1], whole)
+            assert torch.equal(call[2], rows[:, :1]) and torch.equal(call[3], whole.view(-1))
 
 
 def test_two_threads_calling_one_shard_map_each_guard_their_own_inputs():

@@ -169,10 +169,12 @@ class BatchingRules(TorchFunctionMode):
     def __init__(self, level: int, size: int) -> None:
         super().__init__()
         self.level, self.size = level, size
+        self.ruled_seen = False  # whether a rule's op ran (see shard_map's bare calls)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in RULES:  # (most ops: vmap's own batching)
             return func(*args, **kwargs)
+        self.ruled_seen = True
         out = by_rule(func, self.level, self.size, args, kwargs)
         return func(*args, **kwargs) if out is None else out

@@ -29,7 +29,7 @@ from .._functorch import (
     remove_batch_dim,
 )
 from .._op_args import replace_inputs, tensors_of
-from .._varying import axes_varying
+from .._varying import varying_in
 from . import kernels
 from .batching import RULES, BatchingRules, by_rule
 
@@ -148,7 +148,7 @@ def on_devices(x: torch.Tensor, frame) -> torch.Tensor:
     if level_of(x) == level or batched_at(x, level):  # (the first: the common case, cheaply)
         return x
     mesh = frame.mesh
-    varying = axes_varying(x)
+    varying = varying_in(frame, x)
     summed = tuple([a for a, name in enumerate(mesh.axis_names) if not frame.check_rep or name in varying])
     if current_level() == level:
         if len(summed) == mesh.ndim:  # expand's own backward sums the copies
