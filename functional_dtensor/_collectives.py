@@ -135,7 +135,7 @@ def _call(x, axis_name, where: str, make_op) -> torch.Tensor:
         if not set(axes) <= varying:
             x = vary(x, frame, tuple(a for a in axes if a not in varying))
     out = frame.backend.apply(op, x)
-    if not frame.check_rep or frame.batching_varies:  # (no record kept)
+    if not frame.check_rep or frame.batched_varying is not None:  # (no record kept)
         return out
     return tag(out, op.varying(varying_in(frame, x)))
 
@@ -159,7 +159,7 @@ class Pvary(_Op):
         return axes | set(self.axes)
 
     def on_unbatched(self, x):
-        if self.frame.batching_varies:  # varying is batched there: per-device copies
+        if self.frame.batched_varying is not None:  # varying is batched there: per-device copies
             return None
         everything = varying_in(self.frame, x) | set(self.axes) == set(self.frame.mesh.axis_names)
         return VaryHeldOnce(self.frame, self.axes) if everything else None
@@ -196,7 +196,7 @@ def pvary(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 def vary(x: torch.Tensor, frame: Frame, axes: tuple[str, ...]) -> torch.Tensor:
     """:func:`pvary` in a known frame, over checked axes (as the tracker inserts it)."""
     out = _apply(x, Pvary(frame, axes))
-    if not frame.check_rep or frame.batching_varies:  # (no record kept)
+    if not frame.check_rep or frame.batched_varying is not None:  # (no record kept)
         return out
     return tag(out, varying_in(frame, x) | set(axes))
 
@@ -590,7 +590,7 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     0-d int64 tensor that varies over those axes."""
     frame, axes = frame_for(axis_name, "fd.axis_index")
     index = frame.backend.axis_index_per_device(frame, axes)
-    return tag(index, frozenset(axes) if frame.check_rep and not frame.batching_varies else None)
+    return tag(index, frozenset(axes) if frame.check_rep and frame.batched_varying is None else None)
 
 
 def axis_size(axis_name: AxisName) -> int:

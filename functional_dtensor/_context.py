@@ -27,9 +27,10 @@ class Frame:
     backend: Any  # the mesh's backend (see ._backend)
     level: int | None = None  # the functorch level the per-device function runs at
     device_level: int | None = None  # the level of the vmap over the devices, if any
-    #: whether a value varies exactly where the device vmap batches it (no tracker runs; see
-    #: .._varying.varying_in)
-    batching_varies: bool = False
+    #: where the device vmap's batching is the record of what varies (a bare call, see
+    #: ._shard_map): the axes a value batched over the devices varies over; None where the
+    #: tracker records it (see ._varying.varying_in)
+    batched_varying: frozenset[str] | None = None
 
 
 class _Frames(threading.local):

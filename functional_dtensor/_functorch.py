@@ -40,6 +40,7 @@ __all__ = [
     "current_level",
     "current_level_eager",
     "level_of",
+    "level_of_eager",
     "batched_at",
     "memory_of",
     "is_transformed",
@@ -73,6 +74,10 @@ def level_of(x: torch.Tensor) -> int:
     if torch.compiler.is_compiling():
         return get_dynamic_layer_stack_depth() if is_batchedtensor(x) else -1
     return maybe_get_level(x)
+
+
+#: :func:`level_of` where nothing is being compiled: functorch's own call
+level_of_eager = maybe_get_level
 
 
 def batched_at(x: torch.Tensor, level: int) -> bool:

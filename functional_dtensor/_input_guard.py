@@ -87,4 +87,7 @@ def written(copies: list) -> bool:
     """Whether the function wrote into one of its inputs, the :func:`own_copies` it ran on (their
     version counters count the writes, through views too); the caller's memory was not
     touched."""
-    return any([isinstance(value, torch.Tensor) and value._version for value in copies])
+    for value in copies:
+        if isinstance(value, torch.Tensor) and value._version:
+            return True
+    return False

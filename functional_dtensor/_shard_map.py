@@ -29,7 +29,7 @@ import torch
 from torch._C import _pop_torch_function_stack, _push_on_torch_function_stack
 
 from . import _log as log
-from ._backend import backend_of, current_level, memory_of
+from ._backend import backend_of, memory_of
 from ._cache import Bounded, cached
 from ._collectives import Pvary, SplitCotangent, VaryHeldOnce, on_storage, pvary
 from ._context import Frame, frame_stack
@@ -45,6 +45,7 @@ from ._dtensor import (
     storage_of,
 )
 from ._errors import FunctionalDTensorError, InputTypeError, MeshError, SpecError, explain
+from ._functorch import transforms_active
 from ._input_guard import InputGuard, own_copies, written
 from ._layout import Layout
 from ._mesh import DeviceMesh
@@ -171,8 +172,9 @@ class _Mapping:
         found = self.frames.get(key)
         if found is None:
             if bare:
+                axes = frozenset(self.mesh.axis_names)
                 frame = Frame(
-                    self.mesh, self.check_rep, self.backend, level, device_level, batching_varies=True
+                    self.mesh, self.check_rep, self.backend, level, device_level, batched_varying=axes
                 )
                 found = self.frames[key] = (frame, None)
             else:
@@ -303,7 +305,7 @@ def _run(m: _Mapping, args):
         plan = _planned(m.entries, key, lambda: _Plan.of_arguments(m.in_specs, args, treedef), compiling)
         if not compiling and log.shard_map.isEnabledFor(logging.INFO):
             _log_plan(m, "in_specs", plan)
-    if m.bare and not compiling and _may_run_bare():
+    if m.bare and not compiling and not transforms_active():  # (wrapped inputs: no lazy clone)
         try:
             out = _call(m, plan, leaves, treedef, False, bare=True)
         except Exception:  # (run again under the mode, whose error names the cause)
@@ -315,12 +317,6 @@ def _run(m: _Mapping, args):
 
 #: what a bare call returns where it must run again under the mode
 _AGAIN = object()
-
-
-def _may_run_bare() -> bool:
-    """Whether a warm call may run bare: outside torch.func transforms, whose wrapped inputs
-    have no copy-on-write clone."""
-    return current_level() is None
 
 
 def _call(m: _Mapping, plan: _Plan, leaves, treedef, compiling: bool, bare: bool):

@@ -6,7 +6,7 @@ which devices may hold different values; a tensor without the record is the same
 
 On a simulated mesh of one axis the device vmap keeps this record itself: a value batched over
 the devices varies over the axis, an unbatched one is the same on every device (held once).
-A function run there without the tracker (``Frame.batching_varies``) is read by
+A function run there without the tracker (``Frame.batched_varying``) is read by
 :func:`varying_in`.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._functorch import batched_at
+from ._functorch import batched_at, level_of_eager
 
 __all__ = ["axes_varying", "tag", "varying_in"]
 
@@ -29,9 +29,11 @@ def axes_varying(x: torch.Tensor) -> frozenset[str]:
 def varying_in(frame, x: torch.Tensor) -> frozenset[str]:
     """The axes ``x`` varies over in ``frame``'s per-device function (a collective's input, an
     output): its record, or where no tracker runs, whether the device vmap batches it."""
-    if frame.batching_varies:
-        return frozenset(frame.mesh.axis_names) if batched_at(x, frame.device_level) else _NONE
-    return axes_varying(x)
+    axes = frame.batched_varying
+    if axes is None:
+        return axes_varying(x)
+    level = frame.device_level  # (never while compiling: the first test is functorch's own)
+    return axes if level_of_eager(x) == level or batched_at(x, level) else _NONE
 
 
 def tag(x: torch.Tensor, axes: frozenset[str] | None) -> torch.Tensor:
