@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from backends import Mesh, events
+from common import assert_close
 from hypothesis import strategies as st
 
 import functional_dtensor as fd
@@ -288,3 +289,50 @@ def reference(case: Case, seed: int = 0) -> dict:
         "full": out.detach(),
         "grads": [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads, strict=True)],
     }
+
+
+# --- derivatives of a program, by mode (see test_higher_order.py) -------------------------------
+
+
+def _global(out):
+    return out.full_tensor() if isinstance(out, fd.DTensor) else out
+
+
+def loss(y: torch.Tensor) -> torch.Tensor:
+    return (torch.sin(y) * y).sum()
+
+
+def derivatives(mode: str, f, xs: list[torch.Tensor], vs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The derivatives of ``f`` (global tensors in, a global tensor or DTensor out) at ``xs`` in
+    the direction ``vs``, by ``mode`` (see test_higher_order.py's docstring)."""
+
+    def g(*a):
+        return _global(f(*a))
+
+    argnums = tuple(range(len(xs)))
+    if mode == "hvp":
+        xs = [x.detach().requires_grad_() for x in xs]
+        grads = torch.autograd.grad(loss(g(*xs)), xs, create_graph=True)
+        inner = sum((d * v).sum() for d, v in zip(grads, vs, strict=True))
+        second = torch.autograd.grad(inner, xs, allow_unused=True)
+        return [torch.zeros_like(x) if s is None else s for x, s in zip(xs, second, strict=True)]
+    if mode == "jvp":
+        return list(torch.func.jvp(g, tuple(xs), tuple(vs)))
+    if mode == "linearize":
+        out, tangent_of = torch.func.linearize(g, *xs)
+        return [out, tangent_of(*vs)]
+    if mode == "jvp of grad":
+        gradient = torch.func.grad(lambda *a: loss(g(*a)), argnums=argnums)
+        return list(torch.func.jvp(gradient, tuple(xs), tuple(vs))[1])
+    raise ValueError(mode)
+
+
+def check_rep_as(case: Case, check_rep: bool) -> Case:
+    """``case`` with ``check_rep`` off if asked (a case that needs it off keeps it off)."""
+    return case if check_rep else dataclasses.replace(case, check_rep=False)
+
+
+def compare(got, want, what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_close(a, b, msg=lambda m, i=i: f"{what}, result {i}: {m}")

@@ -12,10 +12,9 @@ import dataclasses
 import pytest
 import torch
 from backends import events
-from catalogue import cases, global_inputs, mapped, pick
+from catalogue import cases, check_rep_as, compare, derivatives, global_inputs, mapped, pick
 from common import assert_close, with_long_run
 from hypothesis import strategies as st
-from test_higher_order import check_rep_as, compare, derivatives
 
 import functional_dtensor as fd
 

@@ -19,12 +19,20 @@ meshes (1-d to 3-d), the axes a catalogue program maps over (any order), program
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from backends import Mesh
-from catalogue import Case, cases, global_inputs, mapped, mesh_and_axes, pick
+from catalogue import (
+    cases,
+    check_rep_as,
+    compare,
+    derivatives,
+    global_inputs,
+    loss,
+    mapped,
+    mesh_and_axes,
+    pick,
+)
 from common import assert_close, with_long_run
 from hypothesis import strategies as st
 
@@ -34,50 +42,6 @@ from functional_dtensor.testing import strategies as fds
 MODES = ("hvp", "jvp", "linearize", "jvp of grad")
 CASE_NAMES = [c.name for c in cases(fd.simulated_mesh(2, "x"), ("x",))]
 DRAWN, DRAWN_LONG = 20, 100  # examples per mode in the default run, and in the slow tier's twin
-
-
-def _global(out):
-    return out.full_tensor() if isinstance(out, fd.DTensor) else out
-
-
-def loss(y: torch.Tensor) -> torch.Tensor:
-    return (torch.sin(y) * y).sum()
-
-
-def derivatives(mode: str, f, xs: list[torch.Tensor], vs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The derivatives of ``f`` (global tensors in, a global tensor or DTensor out) at ``xs`` in
-    the direction ``vs``, by ``mode`` (see the module docstring)."""
-
-    def g(*a):
-        return _global(f(*a))
-
-    argnums = tuple(range(len(xs)))
-    if mode == "hvp":
-        xs = [x.detach().requires_grad_() for x in xs]
-        grads = torch.autograd.grad(loss(g(*xs)), xs, create_graph=True)
-        inner = sum((d * v).sum() for d, v in zip(grads, vs, strict=True))
-        second = torch.autograd.grad(inner, xs, allow_unused=True)
-        return [torch.zeros_like(x) if s is None else s for x, s in zip(xs, second, strict=True)]
-    if mode == "jvp":
-        return list(torch.func.jvp(g, tuple(xs), tuple(vs)))
-    if mode == "linearize":
-        out, tangent_of = torch.func.linearize(g, *xs)
-        return [out, tangent_of(*vs)]
-    if mode == "jvp of grad":
-        gradient = torch.func.grad(lambda *a: loss(g(*a)), argnums=argnums)
-        return list(torch.func.jvp(gradient, tuple(xs), tuple(vs))[1])
-    raise ValueError(mode)
-
-
-def check_rep_as(case: Case, check_rep: bool) -> Case:
-    """``case`` with ``check_rep`` off if asked (a case that needs it off keeps it off)."""
-    return case if check_rep else dataclasses.replace(case, check_rep=False)
-
-
-def compare(got, want, what: str) -> None:
-    assert len(got) == len(want), what
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert_close(a, b, msg=lambda m, i=i: f"{what}, result {i}: {m}")
 
 
 # --- drawn on the simulated backend ----------------------------------------------------------
