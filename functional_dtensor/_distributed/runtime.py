@@ -10,6 +10,7 @@ use, by every rank alike) and reused.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import logging
@@ -51,7 +52,8 @@ def init_device_mesh(
     check_collectives: bool | None = None,
 ) -> DeviceMesh:
     """A mesh over the ranks of ``torch.distributed`` (one device per rank), creating the process
-    group from the ``torchrun`` environment when there is none yet: gloo on CPU, NCCL on CUDA.
+    group from the ``torchrun`` environment when there is none yet: gloo on CPU, NCCL on CUDA
+    (destroyed at exit; a group the program made itself is the program's to destroy).
     ``timeout`` bounds every collective, so that a dead or stuck rank becomes an error (default
     60 s, or ``FD_COLLECTIVE_TIMEOUT`` seconds). ``check_collectives`` turns on the collective
     checks for the rest of the run (see ``fd.check_collectives``; default: on when the
@@ -65,6 +67,7 @@ def init_device_mesh(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
         _timeout[:] = [timeout or DEFAULT_TIMEOUT]
+        atexit.register(_destroy_at_exit, dist.group.WORLD)
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise MeshError(
@@ -88,6 +91,15 @@ def init_device_mesh(
     elif checks.on:  # on before torch.distributed was: its group is made now, by every rank
         checks.start()
     return mesh
+
+
+def _destroy_at_exit(world) -> None:
+    """At exit, the process group :func:`init_device_mesh` made (``world``, unless the program
+    destroyed it and made another) destroyed, as torch asks of every program that makes one.
+    Left to the interpreter's teardown, gloo's threads may outlive the objects that own them:
+    the rank then aborts after its last line ("terminate called without an active exception")."""
+    if dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group()
 
 
 def _slices(root: DeviceMesh, mesh: DeviceMesh) -> bool:
