@@ -19,17 +19,19 @@ __all__ = ["distribute_storage", "gather_storage", "without_partial", "Distribut
 def distribute_storage(tensor: torch.Tensor, layout: Layout, *, copy: bool = False) -> torch.Tensor:
     """The storage of the global ``tensor``, differentiably (``copy``: sharing no memory with
     it). Where storage and value are views of each other, their own backward reassembles the
-    cotangent; every other case goes through :class:`Distribute`."""
+    cotangent; every other case goes through :class:`Distribute`, where anything differentiates
+    (:func:`._autograd.differentiated`: else the kernel alone, as ``Distribute`` would run it)."""
     backend = backend_of(layout.mesh)
-    if backend.splits_as_views(layout, tuple(tensor.shape)):
+    if not autograd.differentiated(tensor) or backend.splits_as_views(layout, tuple(tensor.shape)):
         return backend.distribute(tensor, layout, copy=copy)
     return autograd.apply(Distribute, tensor, layout, copy, without_partial(layout))
 
 
 def gather_storage(storage: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
-    """The global value of ``storage``, differentiably (the inverse of :func:`distribute_storage`)."""
+    """The global value of ``storage``, differentiably (the inverse of :func:`distribute_storage`;
+    :class:`FullTensor` where anything differentiates)."""
     backend = backend_of(layout.mesh)
-    if backend.splits_as_views(layout, shape):
+    if not autograd.differentiated(storage) or backend.splits_as_views(layout, shape):
         return backend.gather(storage, layout, shape)
     return autograd.apply(FullTensor, storage, layout, shape, without_partial(layout))
 
