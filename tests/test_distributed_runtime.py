@@ -1,8 +1,9 @@
 """What only the distributed backend has: process groups (built once, reused; sub-mesh groups
-sliced from the mesh's, never made by one rank alone), torch.compile of collectives and
-redistributions on gloo ranks, run_check agreeing on every rank, and dead or stuck ranks
-becoming errors instead of hangs. Real gloo processes on loopback (``distributed_pool.py``),
-never mocked; the tests that break a pool on purpose run last (``breaks_pool``)."""
+sliced from the mesh's, never made by one rank alone; the one ``init_device_mesh`` made is
+destroyed at exit), torch.compile of collectives and redistributions on gloo ranks, run_check
+agreeing on every rank, and dead or stuck ranks becoming errors instead of hangs. Real gloo
+processes on loopback (``distributed_pool.py``), never mocked; the tests that break a pool on
+purpose run last (``breaks_pool``)."""
 
 from __future__ import annotations
 
@@ -46,12 +47,13 @@ def close(got, want, what: str) -> None:
 #: library's own exit handlers (atexit runs them last-registered first)
 _EXIT_PROBE = """
 import atexit
+import torch
 import torch.distributed as dist
 import functional_dtensor as fd
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
 mesh = fd.init_device_mesh("cpu", (1,), ("x",))
-print("psum:", fd.shard_map(lambda v: fd.psum(v, "x"), mesh=mesh, in_specs=fd.P(), out_specs=fd.P())(
-    __import__("torch").ones(2)).full_tensor().tolist(), flush=True)
+summed = fd.shard_map(lambda v: fd.psum(v, "x"), mesh=mesh, in_specs=fd.P(), out_specs=fd.P())
+print("psum:", summed(torch.ones(2)).full_tensor().tolist(), flush=True)
 """
 
 
@@ -59,7 +61,7 @@ def test_the_process_group_init_device_mesh_made_is_destroyed_at_exit():
     """A program that lets ``init_device_mesh`` make the process group need not destroy it: the
     library does at exit, as torch asks. Left to the interpreter's teardown, a rank now and then
     aborted after its last line under load ("terminate called without an active exception",
-    exit -6, 1 run in 10 of a 4-rank program on a busy 2-core machine)."""
+    exit -6: 3 runs in 30 of a 4-rank program on a busy 2-core machine)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
