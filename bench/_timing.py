@@ -145,6 +145,32 @@ def host_split(steps: dict[str, Callable[[], object]], reps: int) -> dict[str, t
     }
 
 
+def phase_split(
+    losses: dict[str, Callable[..., object]], args: tuple, wrt: tuple, reps: int, warmup: int = 3
+) -> dict[str, tuple[float, float]]:
+    """Per loss function, the medians (us) of its forward, ``loss_of(*args)``, and of its
+    backward, ``torch.autograd.grad`` of that loss with respect to ``wrt``, each timed by the
+    thread's CPU time, the losses in a fresh shuffled order each repetition (no profiler)."""
+    import torch
+
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in losses}
+    order, rng = list(losses), random.Random(0)
+    for rep in range(warmup + reps):
+        rng.shuffle(order)
+        for name in order:
+            start = time.thread_time()
+            loss = losses[name](*args)
+            middle = time.thread_time()
+            torch.autograd.grad(loss, wrt)
+            end = time.thread_time()
+            if rep >= warmup:
+                samples[name].append(((middle - start) * 1e6, (end - middle) * 1e6))
+    return {
+        name: (statistics.median([f for f, _ in got]), statistics.median([b for _, b in got]))
+        for name, got in samples.items()
+    }
+
+
 def _in_aten(event) -> float:
     """The time (us) spent in aten ops under ``event``: their own time, each counted once."""
     pending, total = list(event.cpu_children), 0.0

@@ -1,6 +1,6 @@
 """Instructions per call, counted by valgrind: a figure that a loaded machine does not move.
 
-    python bench/instructions.py [identity|add|floors|mlp|example ...] [--calls N]
+    python bench/instructions.py [identity|add|floors|mlp|example|tp-mlp ...] [--calls N]
 
 On a shared machine, times of a few microseconds move by 2x from one minute to the next; the
 number of instructions a call executes does not. Each workload runs warm (its caches filled),
@@ -18,7 +18,13 @@ each: importing torch under valgrind is most of it).
   under functorch's vmap primitives over 8 devices, and under them with an empty Python
   torch-function mode (``tiny_op.py``'s floors): what any simulation by a device vmap with a
   Python mode pays per op before any work of its own;
-* ``mlp``, ``example``: one step of ``bench/small_step.py``'s MLP and example steps.
+* ``mlp``, ``example``: one step of ``bench/small_step.py``'s MLP and example steps, fd's and
+  one device's (plain torch's, the same step's denominator);
+* ``tp-mlp``: one step of ``bench/jax_mlp.py``'s tensor-parallel MLP at a toy size (batch 8, dim
+  8, hidden 16: the kernels next to nothing), as plain torch runs it unsharded, as the stacked
+  per-device math written by hand, and as ``fd.shard_map`` on 8 simulated devices: the host
+  work a call of each costs, which the benchmark's size adds to kernels equal to the stacked
+  step's.
 
 To compare two versions of the package, run the script with each first on ``sys.path`` (for
 example ``PYTHONPATH=/path/to/other/checkout``). Needs ``valgrind`` on the PATH.
@@ -35,10 +41,20 @@ import sys
 import warnings
 from pathlib import Path
 
-WORKLOADS = ("identity", "add", "floors", "mlp", "example")
+WORKLOADS = ("identity", "add", "floors", "mlp", "example", "tp-mlp")
 FLOORS = {"plain torch": "plain", "vmap primitives": "vmap", "vmap + empty mode": "mode"}
 ADDS = 50  # adds per call of the ``add`` workload
-DEFAULT_CALLS = {"identity": 300, "add": 20, "floors": 20, "mlp": 3, "example": 5}
+DEFAULT_CALLS = {"identity": 300, "add": 20, "floors": 20, "mlp": 3, "example": 5, "tp-mlp": 20}
+#: the steps each of the workloads that count several compares: name -> the child's workload
+STEPS = {
+    "mlp": {"one device": "mlp/one", "fd": "mlp"},
+    "example": {"one device": "example/one", "fd": "example"},
+    "tp-mlp": {
+        "torch, unsharded": "tp/unsharded",
+        "stacked torch, 8": "tp/stacked",
+        "fd.shard_map, 8": "tp/fd",
+    },
+}
 
 
 def _call(workload: str, adds: int):
@@ -69,15 +85,27 @@ def _call(workload: str, adds: int):
         f = fd.shard_map(body, mesh=mesh, in_specs=fd.P("x"), out_specs=fd.P("x"))
         x = fd.distribute_tensor(torch.zeros(8 * 4), mesh, fd.P("x"))
         call = lambda: f(x)  # noqa: E731
+    elif workload.startswith("tp/"):
+        import jax_mlp
+
+        x, w1, w2 = jax_mlp.make_inputs(8, 8, 16)
+        steps = {
+            "unsharded": jax_mlp.torch_unsharded,
+            "stacked": jax_mlp.torch_stacked,
+            "fd": jax_mlp.fd_sharded,
+        }
+        call = steps[workload.removeprefix("tp/")](x, w1, w2)
     else:
         import small_step
 
         mesh = fd.simulated_mesh((2, 2), ("dp", "tp"))
-        if workload == "mlp":
-            _, call = small_step.mlp_steps(mesh)
+        which, _, one = workload.partition("/")
+        if which == "mlp":
+            one_device, call = small_step.mlp_steps(mesh)
         else:
-            _, call, _ = small_step.example_steps(mesh)
-    for _ in range(3 if workload in ("mlp", "example") else 20):
+            one_device, call, _ = small_step.example_steps(mesh)
+        call = one_device if one else call
+    for _ in range(3 if workload.split("/")[0] in ("mlp", "example") else 20):
         call()
     return call
 
@@ -130,6 +158,13 @@ def main() -> None:
             for name, floor in FLOORS.items():
                 per = (_counted(floor, calls, ADDS) - _counted(floor, calls, 0)) / (calls * ADDS)
                 print(f"add, floor: {name}: {per:,.0f} instructions per add")
+        elif workload in STEPS:
+            counts = {name: _counted(child, calls, 0) / calls for name, child in STEPS[workload].items()}
+            first = next(iter(counts.values()))
+            for name, per in counts.items():
+                print(
+                    f"{workload}, {name}: {per:,.0f} instructions per step ({per / first:.2f} of the first)"
+                )
         else:
             per = _counted(workload, calls, 0) / calls
             print(f"{workload}: {per:,.0f} instructions per call")

@@ -41,7 +41,9 @@ first (``steady_malloc``), so that no variant page-faults its buffers back in on
 ``fd.shard_map`` runs, and ``fd.shard_map, 8``) into its kernels (the time ``torch.profiler``
 finds inside aten ops) and the host's work around them (Python, the autograd engine's
 bookkeeping), at the benchmark's size and at a toy size (batch 8, dim 8, hidden 16) where the
-kernels take almost nothing. Medians over the reps, in microseconds.
+kernels take almost nothing. A second table times the same steps' forward (the loss) and
+backward (``torch.autograd.grad``) apart, by the thread's CPU time with no profiler
+(``_timing.phase_split``). Medians over the reps, in microseconds.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _checks import checked, in_float64  # noqa: E402
-from _timing import host_split, interleaved, median_ms, print_table, steady_malloc  # noqa: E402
+from _timing import host_split, interleaved, median_ms, phase_split, print_table, steady_malloc  # noqa: E402
 
 import functional_dtensor as fd  # noqa: E402
 
@@ -83,27 +85,36 @@ def make_inputs(batch: int = BATCH, dim: int = DIM, hidden: int = HIDDEN):
     return x, w1, w2
 
 
-def torch_unsharded(x, w1, w2):
-    def step():
-        loss = ((torch.relu(x @ w1) @ w2) ** 2).mean()
-        return (loss, *torch.autograd.grad(loss, (w1, w2)))
-
-    return step
+def unsharded_loss(x, w1, w2):
+    return ((torch.relu(x @ w1) @ w2) ** 2).mean()
 
 
-def torch_stacked(x, w1, w2):
+def stacked_loss(x, w1, w2):
     """The per-device math by hand on the stacked shards: ``x`` times every device's columns of
     ``w1`` in one product, each device's block of it times its rows of ``w2`` (one ``bmm``),
     the devices' products summed (the psum)."""
     batch, hidden = x.shape[0], w1.shape[1]
+    h = (x @ w1).view(batch, DEVICES, hidden // DEVICES).transpose(0, 1)  # (devices, batch, block)
+    y = (torch.relu(h) @ w2.view(DEVICES, hidden // DEVICES, -1)).sum(0)
+    return (y**2).mean()
+
+
+def _step(loss_of, x, w1, w2):
+    """A zero-argument step: the loss and its gradients with respect to w1 and w2."""
 
     def step():
-        h = (x @ w1).view(batch, DEVICES, hidden // DEVICES).transpose(0, 1)  # (devices, batch, block)
-        y = (torch.relu(h) @ w2.view(DEVICES, hidden // DEVICES, -1)).sum(0)
-        loss = (y**2).mean()
+        loss = loss_of(x, w1, w2)
         return (loss, *torch.autograd.grad(loss, (w1, w2)))
 
     return step
+
+
+def torch_unsharded(x, w1, w2):
+    return _step(unsharded_loss, x, w1, w2)
+
+
+def torch_stacked(x, w1, w2):
+    return _step(stacked_loss, x, w1, w2)
 
 
 def print_host_split(reps: int) -> None:
@@ -127,16 +138,26 @@ def print_host_split(reps: int) -> None:
         ["batch x dim x hidden", "variant", "step", "in aten ops", "host, around them"],
         rows,
     )
+    rows = []
+    for size in ((BATCH, DIM, HIDDEN), (8, 8, 16)):
+        x, w1, w2 = make_inputs(*size)
+        losses = {
+            "torch, unsharded": unsharded_loss,
+            "stacked torch, 8": stacked_loss,
+            "fd.shard_map, 8": fd_loss(),
+        }
+        for name, (forward, backward) in phase_split(losses, (x, w1, w2), (w1, w2), reps).items():
+            rows.append(["x".join(map(str, size)), name, f"{forward:.0f}", f"{backward:.0f}"])
+    print_table(
+        f"The same steps' forward (the loss) and backward (torch.autograd.grad) apart: thread CPU "
+        f"time, no profiler, medians of {reps} interleaved reps, us",
+        ["batch x dim x hidden", "variant", "forward", "backward"],
+        rows,
+    )
 
 
 def torch_compiled(x, w1, w2):
-    loss_of = torch.compile(lambda x, w1, w2: ((torch.relu(x @ w1) @ w2) ** 2).mean())
-
-    def step():
-        loss = loss_of(x, w1, w2)
-        return (loss, *torch.autograd.grad(loss, (w1, w2)))
-
-    return step
+    return _step(torch.compile(unsharded_loss), x, w1, w2)
 
 
 def fd_loss():
@@ -151,13 +172,7 @@ def fd_loss():
 
 
 def fd_sharded(x, w1, w2, *, compiled: bool = False):
-    loss_of = torch.compile(fd_loss()) if compiled else fd_loss()
-
-    def step():
-        loss = loss_of(x, w1, w2)
-        return (loss, *torch.autograd.grad(loss, (w1, w2)))
-
-    return step
+    return _step(torch.compile(fd_loss()) if compiled else fd_loss(), x, w1, w2)
 
 
 def jax_steps(x, w1, w2):
