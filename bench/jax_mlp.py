@@ -36,14 +36,14 @@ within a few times the float32 error of its own unsharded program (``_checks.py`
 unsharded program within a few times plain torch's). glibc malloc's thresholds are fixed
 first (``steady_malloc``), so that no variant page-faults its buffers back in on every call.
 
-``--host`` times nothing side by side: it splits each eager torch step (``torch, unsharded``,
+``--host`` leaves the ratios out: it splits each eager torch step (``torch, unsharded``,
 ``stacked torch, 8``: the per-device math written by hand on the stacked shards, the kernels
 ``fd.shard_map`` runs, and ``fd.shard_map, 8``) into its kernels (the time ``torch.profiler``
 finds inside aten ops) and the host's work around them (Python, the autograd engine's
 bookkeeping), at the benchmark's size and at a toy size (batch 8, dim 8, hidden 16) where the
 kernels take almost nothing. A second table times the same steps' forward (the loss) and
 backward (``torch.autograd.grad``) apart, by the thread's CPU time with no profiler
-(``_timing.phase_split``). Medians over the reps, in microseconds.
+(``_timing.phase_split``). Medians over interleaved reps, in microseconds.
 """
 
 from __future__ import annotations
